@@ -1,0 +1,19 @@
+"""hsx settings (pydantic-settings). Imports nothing of hsx, tasks or flows."""
+
+from settings.models import (
+    CaptureSettings,
+    DataSettings,
+    EngineSettings,
+    HsxSettings,
+    RunSettings,
+    StoreSettings,
+)
+
+__all__ = [
+    "CaptureSettings",
+    "DataSettings",
+    "EngineSettings",
+    "HsxSettings",
+    "RunSettings",
+    "StoreSettings",
+]

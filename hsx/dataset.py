@@ -1,0 +1,327 @@
+"""Conversation datasets: streaming JSONL reader, chat-template tokenization with an assistant-only
+loss mask, and fingerprints of the dataset file and tokenizer (so a store records exactly what
+it was built from).
+
+A dataset is JSONL in OpenAI ``messages`` form, one conversation per line::
+
+    {"id": "optional", "messages": [{"role": "user", "content": "..."}, ...]}
+
+Every problem is a ``DatasetError`` naming the file and 1-based line, so a bad line fails the run
+before any extraction starts (``validate_dataset``) instead of in the middle of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from hsx.errors import ConfigError, DatasetError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ROLES = ("system", "user", "assistant", "tool")
+_FINGERPRINT_BLOCK = 8 * 1024 * 1024
+# Longest excerpt of a bad value quoted in an error: enough to recognise it, not a whole document.
+_EXCERPT = 80
+
+ChatMessage = tuple[str, str]  # (role, content)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One validated conversation of a dataset file."""
+
+    index: int
+    """0-based sample index, counting non-blank lines only (the sample's position in the store)."""
+    line_number: int
+    """1-based line of the file, for error messages and audits."""
+    sample_id: str
+    """The line's ``id`` field, or ``line-{line_number}`` when it has none."""
+    messages: tuple[ChatMessage, ...]
+    byte_offset: int = 0
+    """Offset of the line in the file: a work chunk seeks straight to its first sample."""
+
+    def as_chat(self) -> list[dict[str, str]]:
+        """The messages in the dict form ``apply_chat_template`` expects."""
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+@dataclass(frozen=True)
+class TokenizedSample:
+    """A conversation rendered by the chat template and tokenized, with its loss mask."""
+
+    input_ids: np.ndarray  # [tokens] int32
+    loss_mask: np.ndarray  # [tokens] uint8: 1 on assistant content and its end-of-turn token
+    truncated: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _excerpt(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _EXCERPT else text[: _EXCERPT - 3] + "..."
+
+
+def _parse_line(raw: bytes, path: Path, line_number: int, index: int) -> Conversation:
+    where = f"{path}:{line_number}"
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DatasetError(
+            f"{where}: expected a JSON object, found text that is not JSON ({exc}): "
+            f"{_excerpt(raw.decode('utf-8', errors='replace').strip())}"
+        ) from exc
+    if not isinstance(record, dict):
+        raise DatasetError(
+            f"{where}: expected a JSON object with a 'messages' list, "
+            f"found {type(record).__name__} {_excerpt(record)}"
+        )
+    raw_messages = record.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        found = "no 'messages' key" if "messages" not in record else _excerpt(raw_messages)
+        raise DatasetError(
+            f"{where}: expected a non-empty 'messages' list, found {found} (keys: {sorted(record)})"
+        )
+    sample_id = record.get("id")
+    if sample_id is None:
+        sample_id = f"line-{line_number}"
+    elif not isinstance(sample_id, str):
+        raise DatasetError(
+            f"{where}: expected 'id' to be a string, found {type(sample_id).__name__} "
+            f"{_excerpt(sample_id)}"
+        )
+    messages: list[ChatMessage] = []
+    for position, message in enumerate(raw_messages):
+        at = f"{where}: message {position}"
+        if not isinstance(message, dict):
+            raise DatasetError(
+                f"{at}: expected an object with string 'role' and 'content', "
+                f"found {type(message).__name__} {_excerpt(message)}"
+            )
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise DatasetError(
+                f"{at}: expected string 'role' and 'content', found role={_excerpt(role)} "
+                f"content={_excerpt(content)}"
+            )
+        if role not in ROLES:
+            raise DatasetError(f"{at}: expected a role in {ROLES}, found {role!r}")
+        messages.append((role, content))
+    if not any(role == "assistant" for role, _ in messages):
+        # Nothing to train on: EAGLE-3 learns from assistant tokens only.
+        raise DatasetError(
+            f"{where}: expected at least one 'assistant' message, "
+            f"found roles {[role for role, _ in messages]}"
+        )
+    return Conversation(index, line_number, sample_id, tuple(messages))
+
+
+def iter_conversations(
+    path: Path, start: tuple[int, int, int] | None = None
+) -> Iterator[Conversation]:
+    """Stream the conversations of a JSONL file, one line at a time; blank lines are skipped.
+
+    ``start`` = (byte_offset, line_number, sample_index) of a conversation seen before (a work
+    chunk's first sample): reading resumes there without re-reading the file's head.
+    Raises ``DatasetError`` at the first bad line, for a missing file, or for a file without any
+    conversation.
+    """
+    if not path.is_file():
+        found = "a directory" if path.is_dir() else "nothing"
+        raise DatasetError(f"{path}: expected a JSONL dataset file, found {found} at that path")
+    offset, first_line, index = start if start is not None else (0, 1, 0)
+    first_index = index
+    # Binary lines, decoded one by one: a bad UTF-8 byte is then reported with its line number.
+    with path.open("rb") as lines:
+        lines.seek(offset)
+        for line_number, raw in enumerate(lines, start=first_line):
+            if raw.strip():
+                parsed = _parse_line(raw, path, line_number, index)
+                yield dataclasses.replace(parsed, byte_offset=offset)
+                index += 1
+            offset += len(raw)
+    if index == first_index == 0:
+        raise DatasetError(
+            f"{path}: expected at least one conversation, found an empty file (or only blank lines)"
+        )
+
+
+def validate_dataset(path: Path) -> int:
+    """Read the whole file, raising its first error; returns the number of conversations."""
+    count = 0
+    for _ in iter_conversations(path):
+        count += 1
+    return count
+
+
+def _normalize(
+    messages: Sequence[ChatMessage] | Sequence[Mapping[str, Any]],
+) -> list[dict[str, Any]]:
+    return [
+        dict(message)
+        if isinstance(message, Mapping)
+        else {"role": message[0], "content": message[1]}
+        for message in messages
+    ]
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+    if not isinstance(text, str):
+        raise ConfigError(f"expected the chat template to render a string, found {type(text)}")
+    return text
+
+
+def _content_floor(
+    tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], turn: int, text: str
+) -> int | None:
+    """Where assistant turn ``turn``'s content can start at the earliest: the length of the
+    conversation before it rendered with the generation prompt, when that is a literal prefix of
+    the full rendering. This keeps a short answer ("a", "user") from matching the role header.
+    None when the template renders prefixes differently (or refuses them)."""
+    try:
+        prefix = _render(tokenizer, chat[:turn], prompt=True)
+    except Exception:  # a template may reject a partial conversation: fall back to the cursor
+        return None
+    return len(prefix) if text.startswith(prefix) else None
+
+
+def _assistant_spans(
+    tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], text: str, where: str
+) -> list[tuple[int, int]]:
+    """Character spans of each assistant message's content in the rendered ``text``.
+
+    Every message's content is searched in order from a cursor past the previous one, so an
+    assistant "ok" after a user "ok" finds its own occurrence. Templates may trim content
+    (Llama-3 does), hence the stripped fallback. Non-assistant content that the template rewrites
+    (escaped tool output, say) is simply not found and does not move the cursor.
+    """
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for turn, message in enumerate(chat):
+        content = str(message.get("content", ""))
+        start = cursor
+        if message["role"] == "assistant":
+            floor = _content_floor(tokenizer, chat, turn, text)
+            start = max(start, floor if floor is not None else 0)
+        found, needle = -1, content
+        for needle in dict.fromkeys((content, content.strip())):
+            found = text.find(needle, start)
+            if found >= 0:
+                break
+        if found < 0:
+            if message["role"] == "assistant":
+                raise DatasetError(
+                    f"{where}: expected assistant message {turn}'s content in the text rendered "
+                    f"by the chat template, found no occurrence of {_excerpt(content)} "
+                    f"after character {start}"
+                )
+            continue
+        cursor = found + len(needle)
+        if message["role"] == "assistant":
+            spans.append((found, cursor))
+    return spans
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    # Added tokens flagged special cover end-of-turn tokens (Llama-3's <|eot_id|>) that are not
+    # the tokenizer's eos and so are missing from all_special_ids.
+    added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return added | set(tokenizer.all_special_ids)
+
+
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[ChatMessage] | Sequence[Mapping[str, Any]],
+    max_length: int,
+    *,
+    where: str = "conversation",
+) -> TokenizedSample:
+    """Render ``messages`` with the tokenizer's chat template, tokenize, and mask the loss.
+
+    The loss mask is 1 exactly on the tokens of assistant contents plus the end-of-turn token that
+    follows each (with any whitespace-only tokens before it): a draft model must learn to stop,
+    and the end-of-turn token is what the target model emits to do so. It is found as the first
+    special token after the content, which works for ChatML (<|im_end|>), Llama-3 (<|eot_id|>),
+    Kimi, DeepSeek and others, without ``{% generation %}`` tags. Role headers, system, user and
+    tool tokens are never masked. Truncation keeps the first ``max_length`` tokens; a sample whose
+    assistant tokens are all cut off keeps an all-zero mask and ``truncated=True``.
+
+    ``where`` (file:line, say) prefixes error messages.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, found {max_length}")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(
+            f"expected a fast (tokenizers-backed) tokenizer for offset mapping, "
+            f"found {type(tokenizer).__name__}"
+        )
+    if not tokenizer.chat_template:
+        raise ConfigError(f"expected a tokenizer with a chat template, found none ({where})")
+    chat = _normalize(messages)
+    text = _render(tokenizer, chat, prompt=False)
+    spans = _assistant_spans(tokenizer, chat, text, where)
+    # The template already writes BOS and friends into the text: add_special_tokens would double them.
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = encoding["input_ids"]
+    offsets: list[tuple[int, int]] = encoding["offset_mapping"]
+    special = _special_ids(tokenizer)
+    mask = np.zeros(len(ids), dtype=np.uint8)  # [tokens]
+    token = 0
+    for span_start, span_end in spans:
+        # Tokens overlapping the content span: a byte-level token may straddle the boundary.
+        while token < len(ids) and offsets[token][1] <= span_start:
+            token += 1
+        while token < len(ids) and offsets[token][0] < span_end:
+            mask[token] = 1
+            token += 1
+        # Then the end-of-turn token, past any whitespace-only tokens the template puts first.
+        end = token
+        while end < len(ids) and ids[end] not in special and not text[slice(*offsets[end])].strip():
+            end += 1
+        if end < len(ids) and ids[end] in special:
+            mask[token : end + 1] = 1
+            token = end + 1
+    truncated = len(ids) > max_length
+    return TokenizedSample(
+        input_ids=np.asarray(ids[:max_length], dtype=np.int32),
+        loss_mask=mask[:max_length],
+        truncated=truncated,
+    )
+
+
+def fingerprint_file(path: Path) -> str:
+    """xxh3-128 hex digest of a file's bytes, read in 8 MiB blocks (datasets can be large)."""
+    digest = xxhash.xxh3_128()
+    with path.open("rb") as source:
+        while block := source.read(_FINGERPRINT_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:
+    """xxh3-128 hex digest of the tokenizer (vocabulary, merges, normalizers, added tokens) and
+    its chat template: either changing changes the token ids and loss masks of a store."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ConfigError(
+            f"expected a fast tokenizer with a backend_tokenizer, found {type(tokenizer).__name__}"
+        )
+    template = tokenizer.chat_template
+    if not isinstance(template, str):  # None, or a dict of named templates
+        template = json.dumps(template, sort_keys=True)
+    digest = xxhash.xxh3_128()
+    digest.update(backend.to_str().encode("utf-8"))
+    digest.update(b"\0")  # separator: no (tokenizer, template) pair can collide by concatenation
+    digest.update(template.encode("utf-8"))
+    return digest.hexdigest()

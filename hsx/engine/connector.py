@@ -1,0 +1,265 @@
+"""hsx's KV connector for vLLM's ``extract_hidden_states`` speculative method.
+
+vLLM's ``extract_hidden_states`` drafter stores each token's aux hidden states ``[K, H]`` in the
+KV cache of one cache-only attention layer; a KV connector takes them out. vLLM's stock
+ExampleHiddenStatesConnector cannot run on CPU (CUDA streams, pinned memory) and copies a request
+out one engine step *after* it finishes, which hangs an in-process engine whose caller stops
+stepping once the outputs are returned. This connector instead copies a request's rows in the very
+step whose forward completes its prompt (``wait_for_save`` runs after the drafter wrote the cache),
+so every result exists before the engine returns the request, in-process or not, and the request's
+blocks are freed at once.
+
+Results go to a *sink*: in-process, a callable registered under ``sink_id`` (no copy across
+processes); otherwise (engine core in its own process) a spool directory of safetensors files
+written atomically (temp name, then rename), one per request key.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# The key a caller puts in SamplingParams.extra_args["kv_transfer_params"] to name its result.
+REQUEST_KEY = "hsx_key"
+CONNECTOR_NAME = "HsxHiddenStatesConnector"
+CONNECTOR_MODULE = __name__
+
+# Sinks registered in this process: sink_id -> callable(key, hidden_states [tokens, K, H]).
+HiddenStateSink = Callable[[str, torch.Tensor], None]
+_SINKS: dict[str, HiddenStateSink] = {}
+_SINKS_LOCK = threading.Lock()
+
+
+def register_sink(sink_id: str, sink: HiddenStateSink) -> None:
+    with _SINKS_LOCK:
+        _SINKS[sink_id] = sink
+
+
+def unregister_sink(sink_id: str) -> None:
+    with _SINKS_LOCK:
+        _SINKS.pop(sink_id, None)
+
+
+def spool_path(spool_dir: str | Path, key: str) -> Path:
+    return Path(spool_dir) / f"{key}.safetensors"
+
+
+@dataclass
+class ExtractionJob:
+    """One request whose prompt completes in this step: copy its rows out of the cache."""
+
+    key: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class HsxConnectorMetadata(KVConnectorMetadata):
+    jobs: list[ExtractionJob] = field(default_factory=list)
+
+
+@dataclass
+class _TrackedRequest:
+    key: str
+    prompt_len: int
+    block_ids: list[int]
+    emitted: bool = False
+
+
+def _hidden_state_group_id(kv_cache_config: KVCacheConfig | None) -> int:
+    """Index of the KV cache group of the cache-only (hidden-state) layer."""
+    if kv_cache_config is None:
+        return 0
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    ids = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+    if len(ids) == 1:
+        return ids[0]
+    if not ids and len(groups) == 1:
+        return 0
+    raise RuntimeError(
+        f"expected exactly one hidden-state KV cache group, found {len(ids)} among "
+        f"{len(groups)} groups ({[type(g.kv_cache_spec).__name__ for g in groups]})"
+    )
+
+
+class HsxHiddenStatesConnector(KVConnectorBase_V1):
+    """Store-only connector: hands each finished prompt's hidden states to hsx's sink."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.speculative_config is None:
+            raise RuntimeError(
+                f"{CONNECTOR_NAME} needs speculative method 'extract_hidden_states', "
+                "found no speculative_config"
+            )
+        if vllm_config.cache_config.enable_prefix_caching:
+            # A prefix-cache hit skips the forward of repeated tokens: their states would be missing.
+            raise RuntimeError(f"{CONNECTOR_NAME} needs enable_prefix_caching=False, found True")
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._sink_id: str = str(extra.get("sink_id", ""))
+        self._spool_dir: str = str(extra.get("spool_dir", ""))
+        self._group_id = _hidden_state_group_id(kv_cache_config)
+        # Scheduler side: requests seen so far, by vLLM request id.
+        self._tracked: dict[str, _TrackedRequest] = {}
+        # Worker side.
+        self._kv_cache: torch.Tensor | None = None  # [blocks, K, block_size, H]
+        self._is_writer_rank = True
+
+    # ---- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        # Every TP rank holds the same hidden states; one writer is enough.
+        self._is_writer_rank = get_tensor_model_parallel_rank() == 0
+        layers = get_layers_from_vllm_config(
+            self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches.keys())
+        )
+        if len(layers) != 1:
+            raise RuntimeError(
+                f"expected 1 cache-only attention layer, found {len(layers)}: {sorted(layers)}"
+            )
+        self._kv_cache = kv_caches[next(iter(layers))]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # store-only: nothing to load
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # the drafter already wrote the cache; rows are copied in wait_for_save
+
+    def wait_for_save(self) -> None:
+        # Runs after the drafter's forward of this step (vLLM defers it under spec decode).
+        if not self._is_writer_rank or not self.has_connector_metadata():
+            return
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, HsxConnectorMetadata) or not metadata.jobs:
+            return
+        if self._kv_cache is None:
+            raise RuntimeError("hidden-state cache not registered before the first save")
+        for job in metadata.jobs:
+            self._deliver(job.key, self._rows(job))
+
+    def _rows(self, job: ExtractionJob) -> torch.Tensor:
+        """Copy one request's rows out of the paged cache. Returns [tokens, K, H] on CPU."""
+        assert self._kv_cache is not None
+        block_size = self._kv_cache.shape[2]
+        blocks = torch.tensor(job.block_ids, dtype=torch.long)
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()
+        slots = slots[: job.num_tokens].to(self._kv_cache.device)
+        rows = self._kv_cache[slots // block_size, :, slots % block_size]  # [tokens, K, H]
+        if rows.shape[0] != job.num_tokens:
+            raise RuntimeError(
+                f"request {job.key}: expected {job.num_tokens} rows from "
+                f"{len(job.block_ids)} blocks of {block_size}, found {rows.shape[0]}"
+            )
+        return rows.to("cpu", copy=True)
+
+    def _deliver(self, key: str, rows: torch.Tensor) -> None:
+        with _SINKS_LOCK:
+            sink = _SINKS.get(self._sink_id)
+        if sink is not None:
+            sink(key, rows)
+            return
+        if not self._spool_dir:
+            raise RuntimeError(
+                f"no in-process sink {self._sink_id!r} and no spool_dir configured for {key}"
+            )
+        from safetensors.torch import save_file
+
+        final = spool_path(self._spool_dir, key)
+        temp = final.with_name(final.name + f".tmp{os.getpid()}")
+        try:
+            save_file({"hidden_states": rows.contiguous()}, str(temp))
+            os.replace(temp, final)  # a reader never sees a half-written file
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    # ---- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HsxConnectorMetadata()
+        computed_before: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            params = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
+            key = str((params.get("kv_transfer_params") or {}).get(REQUEST_KEY, new.req_id))
+            prompt_len = len(new.prompt_token_ids or [])
+            self._tracked[new.req_id] = _TrackedRequest(
+                key=key, prompt_len=prompt_len, block_ids=list(new.block_ids[self._group_id])
+            )
+            computed_before[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_blocks is not None:
+                # A preempted request restarts with a fresh block table.
+                tracked.block_ids = list(new_blocks[self._group_id])
+            elif new_blocks is not None:
+                tracked.block_ids.extend(new_blocks[self._group_id])
+            computed_before[req_id] = cached.num_computed_tokens[i]
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.emitted or req_id not in computed_before:
+                continue
+            if computed_before[req_id] + scheduled >= tracked.prompt_len:
+                meta.jobs.append(
+                    ExtractionJob(tracked.key, list(tracked.block_ids), tracked.prompt_len)
+                )
+                tracked.emitted = True
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Rows were copied in the step that completed the prompt: free the blocks now.
+        self._tracked.pop(request.request_id, None)
+        return False, None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "LBNHC"  # [tokens, heads] order: one token's K states stay together

@@ -1,0 +1,61 @@
+"""hsx's error model: every failure is fatal (never retried) or transient (retried with backoff).
+
+A message names what was expected and what was found. An empty message is a bug: the constructor
+refuses one, so the seed's ``ERROR in batch 0-4: `` cannot happen through these classes.
+"""
+
+from __future__ import annotations
+
+
+class HsxError(Exception):
+    """Base of hsx errors. ``retryable`` tells the Prefect retry condition what to do."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str) -> None:
+        if not message or not message.strip():
+            raise ValueError(f"{type(self).__name__} needs a message naming expected and found")
+        super().__init__(message)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+class FatalError(HsxError):
+    """Configuration, signature, data validation or shape errors: retrying cannot help."""
+
+    retryable = False
+
+
+class TransientError(HsxError):
+    """Engine crash, I/O timeout, storage throttling: worth retrying with backoff."""
+
+    retryable = True
+
+
+class ConfigError(FatalError):
+    """Bad settings, model folder or layer ids."""
+
+
+class DatasetError(FatalError):
+    """A dataset file or line that cannot be used; names the file and line."""
+
+
+class StoreError(FatalError):
+    """A store whose layout, plan or attributes do not match what this run expects."""
+
+
+class ChecksumMismatch(FatalError):
+    """Stored bytes whose checksum differs from the one in the commit record."""
+
+
+class EngineError(TransientError):
+    """The engine died or returned incomplete results; a retry rebuilds it."""
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Unknown exceptions (OSError, RuntimeError from deep inside a library) count as transient:
+    a retry is cheap next to losing a chunk; known-fatal hsx errors are never retried."""
+    if isinstance(exc, HsxError):
+        return exc.retryable
+    return not isinstance(exc, (TypeError, ValueError, KeyError, AttributeError, NotImplementedError))

@@ -1,0 +1,141 @@
+"""The extraction's steps as plain functions (datatrove-style: they know nothing of the executor).
+
+Prefect tasks call these; so can a script. State shared between steps lives in the store (plan,
+commit records) and in a per-process cache of what is expensive to rebuild (tokenizer, engine),
+never in task inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hsx.dataset import validate_dataset
+from hsx.engine.vllm_engine import drop_engine, get_engine, resolve_dtype
+from hsx.errors import ConfigError, EngineError
+from hsx.extract import RunContext, extract_chunk, tokenized_samples
+from hsx.plan import read_config
+from hsx.planning import (
+    build_plan,
+    code_version,
+    load_tokenizer,
+    logical_dtype,
+    resolve_layer_ids,
+    store_metadata,
+)
+from hsx.store import CommitRecord, ExtractionStore
+from hsx.verify import VerifyReport, verify_store
+from settings import HsxSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What is derived from the settings and the model folder, before anything is loaded."""
+
+    config: dict[str, Any]
+    layer_ids: tuple[int, ...]
+    engine_dtype: str
+    stored_dtype: str
+
+
+def run_spec(settings: HsxSettings) -> RunSpec:
+    config = read_config(settings.model)
+    layer_ids = resolve_layer_ids(settings, config)
+    engine_dtype = resolve_dtype(settings.engine, config)
+    return RunSpec(config, layer_ids, engine_dtype, logical_dtype(settings, engine_dtype))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str) -> Any:
+    return load_tokenizer(Path(model_dir))
+
+
+@dataclass
+class PlanSummary:
+    store_url: str
+    samples: int
+    tokens: int
+    chunks: int
+    pending: list[int]
+    plan_hash: str
+
+
+def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
+    """Validate the dataset, plan, and open or create the store at its final size."""
+    spec = run_spec(settings)
+    count = validate_dataset(settings.dataset)  # the first bad line fails the run before any load
+    tokenizer = _tokenizer(str(settings.model))
+    plan = build_plan(settings, tokenizer, spec.config, spec.layer_ids, spec.stored_dtype)
+    meta = store_metadata(
+        settings, spec.config, spec.layer_ids, spec.engine_dtype, spec.stored_dtype
+    )
+    store = ExtractionStore.open_or_create(settings.store, plan, meta)
+    pending = [chunk.index for chunk in store.pending_chunks()]
+    logger.info(
+        "dataset %s: %d conversations; store %s: %d of %d work chunks pending",
+        settings.dataset,
+        count,
+        settings.store,
+        len(pending),
+        len(plan.chunks),
+    )
+    return PlanSummary(
+        settings.store,
+        plan.num_samples,
+        plan.total_tokens,
+        len(plan.chunks),
+        pending,
+        plan.plan_hash,
+    )
+
+
+def extract_work_chunk(
+    settings: HsxSettings, chunk_index: int, context: RunContext
+) -> CommitRecord | None:
+    """Extract one work chunk unless it is already committed (then returns None)."""
+    store = ExtractionStore.open(settings.store, mode="r+")
+    chunk = next((c for c in store.work_chunks if c.index == chunk_index), None)
+    if chunk is None:
+        raise ConfigError(
+            f"work chunk {chunk_index}: expected 0..{len(store.work_chunks) - 1}, found none in {settings.store}"
+        )
+    if store.read_commit(chunk_index) is not None:
+        logger.info("%s already committed; skipping", chunk.name)
+        return None
+    spec = run_spec(settings)
+    lengths = np.asarray(store.array("sample_lengths")[chunk.sample_start : chunk.sample_end])
+    samples = tokenized_samples(
+        settings.dataset, _tokenizer(str(settings.model)), chunk, settings.data.max_length, lengths
+    )
+    engine = get_engine(settings.model, settings.engine, spec.layer_ids)
+    try:
+        return extract_chunk(store, chunk, engine, samples, settings.engine.batch_tokens, context)
+    except EngineError:
+        # A dead engine is rebuilt by the retry; a live one is kept for the next chunk.
+        drop_engine(settings.model, settings.engine, spec.layer_ids)
+        raise
+
+
+def verify(settings: HsxSettings) -> VerifyReport:
+    return verify_store(ExtractionStore.open(settings.store, mode="r"))
+
+
+def record_run(settings: HsxSettings, run_id: str, fields: dict[str, Any]) -> None:
+    """Write (or update) this run's record in the store: settings, code version, outcome."""
+    store = ExtractionStore.open(settings.store, mode="r+")
+    record = {
+        "run_id": run_id,
+        "code_version": code_version(),
+        "settings": settings.model_dump(mode="json"),
+        "recorded_at": time.time(),
+        **fields,
+    }
+    store.write_run_record(run_id, record)

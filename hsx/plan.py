@@ -1,0 +1,160 @@
+"""The plan: every sample's length and rows, cut into work chunks that own whole Zarr chunks.
+
+Computed before any extraction (tokenizing is cheap next to a forward pass) so the store's arrays
+are created at their final size: no resize, no locks, and a retry rewrites exactly its own
+storage objects. A work chunk is a run of whole samples whose rows are padded up to a multiple of
+the Zarr chunk length C. Memory is a few bytes per sample; token ids are not kept (each work
+chunk re-tokenizes its own samples, starting from the byte offset recorded here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hsx.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WorkChunk:
+    """Samples [sample_start, sample_end) stored at rows [row_start, row_end)."""
+
+    index: int
+    sample_start: int
+    sample_end: int
+    row_start: int
+    row_end: int
+    tokens: int  # real (unpadded) tokens
+    byte_offset: int  # of the first sample's line in the dataset file
+    line_number: int  # 1-based line of the first sample
+
+    @property
+    def name(self) -> str:
+        return f"chunk-{self.index:06d}"
+
+
+@dataclass
+class Plan:
+    inputs: dict[str, Any]  # everything that determines the stored bytes; hashed into plan_hash
+    sample_lengths: np.ndarray  # int32 [N]
+    sample_starts: np.ndarray  # int64 [N], row of each sample's first token
+    chunks: list[WorkChunk]
+    total_rows: int
+    rows_per_chunk: int
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_lengths.shape[0])
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.sample_lengths.sum())
+
+    @property
+    def plan_hash(self) -> str:
+        return plan_hash(self.inputs, self.chunks)
+
+    def chunk(self, index: int) -> WorkChunk:
+        if not 0 <= index < len(self.chunks):
+            raise ConfigError(
+                f"work chunk index: expected 0..{len(self.chunks) - 1}, found {index}"
+            )
+        return self.chunks[index]
+
+
+def plan_hash(inputs: dict[str, Any], chunks: list[WorkChunk]) -> str:
+    payload = json.dumps(
+        {"inputs": inputs, "chunks": [asdict(c) for c in chunks]}, sort_keys=True, default=str
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def auto_work_chunk_tokens(
+    total_tokens: int, rows_per_chunk: int, target_chunks: int, min_tokens: int
+) -> int:
+    """Size work chunks so a run holds about ``target_chunks`` tasks (Prefect's history drops
+    task runs under bursts of thousands), never below ``min_tokens``; a multiple of C."""
+    wanted = max(math.ceil(total_tokens / max(target_chunks, 1)), min_tokens, rows_per_chunk)
+    return math.ceil(wanted / rows_per_chunk) * rows_per_chunk
+
+
+def cut_chunks(
+    lengths: np.ndarray,  # int32 [N]
+    byte_offsets: np.ndarray,  # int64 [N]
+    line_numbers: np.ndarray,  # int64 [N]
+    rows_per_chunk: int,
+    work_chunk_tokens: int,
+) -> tuple[list[WorkChunk], np.ndarray, int]:
+    """Greedy cut into runs of whole samples of about ``work_chunk_tokens`` rows each.
+
+    Returns (chunks, sample_starts [N] int64, total_rows). A sample longer than a work chunk gets
+    a chunk of its own."""
+    chunks: list[WorkChunk] = []
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    row = 0
+    first = 0
+    rows_in_chunk = 0
+
+    def close(end: int) -> None:
+        nonlocal row, first, rows_in_chunk
+        padded = math.ceil(rows_in_chunk / rows_per_chunk) * rows_per_chunk
+        chunks.append(
+            WorkChunk(
+                index=len(chunks),
+                sample_start=first,
+                sample_end=end,
+                row_start=row,
+                row_end=row + padded,
+                tokens=rows_in_chunk,
+                byte_offset=int(byte_offsets[first]),
+                line_number=int(line_numbers[first]),
+            )
+        )
+        row += padded
+        first = end
+        rows_in_chunk = 0
+
+    for i, length in enumerate(lengths.tolist()):
+        if rows_in_chunk and rows_in_chunk + length > work_chunk_tokens:
+            close(i)
+        starts[i] = row + rows_in_chunk
+        rows_in_chunk += length
+    if rows_in_chunk:
+        close(len(lengths))
+    return chunks, starts, row
+
+
+def iter_chunk_ranges(plan: Plan, pending: set[int] | None = None) -> Iterator[WorkChunk]:
+    for chunk in plan.chunks:
+        if pending is None or chunk.index in pending:
+            yield chunk
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise ConfigError(
+            f"model folder: expected a directory with config.json, found nothing at {model_dir}"
+        )
+    if not path.is_file():
+        raise ConfigError(
+            f"model folder {model_dir}: expected config.json, found {sorted(p.name for p in model_dir.iterdir())[:10]}"
+        )
+    try:
+        config: dict[str, Any] = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: expected JSON, found a parse error: {exc}") from exc
+    return config
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config (multimodal wrappers such as Kimi-K2.5 nest it)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) and "hidden_size" in inner else config

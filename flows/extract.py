@@ -1,0 +1,113 @@
+"""The extraction flow: [preflight] -> plan -> one task per pending work chunk -> verify.
+
+A chunk that fails is retried alone (transient errors) or not at all (fatal ones), with its full
+traceback in the logs; the other chunks go on. The flow raises when any chunk failed or
+verification did not pass, so the UI shows Failed and its Retry re-runs only what is missing (the
+store's commit records say what is done).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+
+from hsx.pipeline import record_run
+from settings import HsxSettings
+from tasks.common import backoff
+from tasks.extract import extract_chunk_task
+from tasks.plan import plan_task
+from tasks.preflight import preflight_tasks
+from tasks.verify import verify_task
+
+# Stop early when this many chunks in a row failed after their retries: the cause is shared
+# (engine, storage), and each further attempt could cost a model load.
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+class ExtractionFailed(RuntimeError):
+    """Raised at the end of a flow run whose chunks did not all commit and verify."""
+
+
+@flow(name="hsx-extract", validate_parameters=True)
+def extract_flow(settings: HsxSettings) -> dict[str, Any]:
+    logger = get_run_logger()
+    run_id = str(flow_run.get_id() or f"local-{int(time.time())}")
+    started = time.perf_counter()
+    if settings.run.preflight:
+        preflight_tasks(settings)
+    plan = plan_task(settings)
+    record_run(settings, run_id, {"status": "running", "pending_chunks": plan["pending"]})
+    chunk_task = extract_chunk_task.with_options(
+        retries=settings.run.retries,
+        retry_delay_seconds=backoff(settings.run.retry_delay_seconds, settings.run.retries),
+    )
+    failed: list[int] = []
+    extracted_tokens = 0
+    extract_seconds = 0.0
+    consecutive = 0
+    pending = plan["pending"]
+    for done, chunk_index in enumerate(pending, start=1):
+        state = chunk_task(settings, chunk_index, return_state=True)
+        if state.is_failed() or state.is_crashed():
+            failed.append(chunk_index)
+            consecutive += 1
+            if consecutive >= MAX_CONSECUTIVE_FAILURES:
+                logger.error("%d chunks in a row failed; stopping this run early", consecutive)
+                break
+            continue
+        consecutive = 0
+        result = state.result()
+        extracted_tokens += int(result["tokens"])
+        extract_seconds += float(result["seconds"])
+        elapsed = time.perf_counter() - started
+        logger.info(
+            "progress: %d/%d chunks, %d tokens, %.0f tokens/s, ETA %.0f s",
+            done,
+            len(pending),
+            extracted_tokens,
+            extracted_tokens / max(extract_seconds, 1e-9),
+            elapsed / done * (len(pending) - done),
+        )
+    verification = verify_task(settings)
+    wall = time.perf_counter() - started
+    summary = {
+        "store": settings.store,
+        "samples": plan["samples"],
+        "tokens": plan["tokens"],
+        "chunks": plan["chunks"],
+        "chunks_extracted_now": len(pending) - len(failed),
+        "chunks_failed": failed,
+        "tokens_extracted_now": extracted_tokens,
+        "extract_tokens_per_s": round(extracted_tokens / extract_seconds, 1)
+        if extract_seconds
+        else 0.0,
+        "wall_seconds": round(wall, 2),
+        "verification": verification["summary"],
+        "verified": verification["ok"],
+    }
+    record_run(
+        settings,
+        run_id,
+        {
+            "status": "completed" if verification["ok"] and not failed else "failed",
+            "summary": summary,
+        },
+    )
+    create_markdown_artifact(
+        "# hsx extraction\n\n"
+        + "\n".join(f"- **{key}**: {value}" for key, value in summary.items()),
+        key="hsx-extract-summary",
+        description=f"{summary['chunks_extracted_now']} chunks extracted, {verification['summary']}",
+    )
+    if failed or not verification["ok"]:
+        raise ExtractionFailed(
+            f"expected every work chunk committed and verified, found {len(failed)} failed "
+            f"(chunks {failed[:20]}) and verification {verification['summary']}; "
+            "re-run (or Retry in the UI) to redo only what is missing"
+        )
+    return summary

@@ -1,0 +1,56 @@
+"""One work chunk per task run: retried alone, its traceback in the logs, committed last."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run, task_run
+
+from hsx.extract import RunContext
+from hsx.pipeline import extract_work_chunk
+from hsx.planning import code_version
+from settings import HsxSettings
+from tasks.common import logged_failures, retry_unless_fatal
+
+
+@task(
+    name="extract-chunk",
+    task_run_name="extract-chunk-{chunk_index:06d}",
+    cache_policy=NO_CACHE,  # resume comes from the store's commit records, not Prefect's cache
+    retries=2,
+    retry_delay_seconds=[2.0, 4.0],
+    retry_jitter_factor=0.5,
+    retry_condition_fn=retry_unless_fatal,
+)
+def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any]:
+    with logged_failures(f"work chunk {chunk_index}") as logger:
+        context = RunContext(
+            run_id=str(flow_run.get_id() or "no-flow-run"),
+            attempt=int(task_run.get_run_count() or 1),
+            code_version=code_version(),
+            extra={
+                "task_run_id": str(task_run.get_id()),
+                "flow_run_name": str(flow_run.get_name()),
+            },
+        )
+        record = extract_work_chunk(settings, chunk_index, context)
+        if record is None:
+            return {"chunk_index": chunk_index, "skipped": True, "tokens": 0, "seconds": 0.0}
+        logger.info(
+            "chunk %06d committed: samples %d..%d, %d tokens in %.2f s (%.0f tokens/s), attempt %d",
+            chunk_index,
+            record.sample_start,
+            record.sample_end - 1,
+            record.tokens,
+            record.seconds,
+            record.tokens / max(record.seconds, 1e-9),
+            record.attempt,
+        )
+        return {
+            "chunk_index": chunk_index,
+            "skipped": False,
+            "tokens": record.tokens,
+            "seconds": record.seconds,
+        }

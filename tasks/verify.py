@@ -1,0 +1,37 @@
+"""Checksum verification of every committed chunk, with a Prefect artifact of the result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from hsx.pipeline import verify
+from settings import HsxSettings
+from tasks.common import logged_failures
+
+
+@task(name="verify-checksums", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2.0)
+def verify_task(settings: HsxSettings) -> dict[str, Any]:
+    with logged_failures("verification") as logger:
+        report = verify(settings)
+        lines = [f"# Verification of `{report.url}`", "", f"**{report.summary()}**", ""]
+        if report.missing:
+            lines.append(f"Missing (uncommitted) chunks: {report.missing[:50]}")
+        for problem in report.problems[:50]:
+            lines.append(f"- chunk {problem.chunk_index}: {problem.message}")
+        create_markdown_artifact("\n".join(lines), key="hsx-verify", description=report.summary())
+        (logger.info if report.ok else logger.error)(
+            "verification %s (%.1f MB read)", report.summary(), report.bytes_read / 1e6
+        )
+        return {
+            "ok": report.ok,
+            "summary": report.summary(),
+            "verified": report.chunks_verified,
+            "planned": report.chunks_planned,
+            "missing": report.missing,
+            "problems": [p.message for p in report.problems],
+            "bytes_read": report.bytes_read,
+        }

@@ -99,13 +99,21 @@ def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:
 
 
 def run_extraction(settings: Any) -> int:
-    from flows.extract import ExtractionFailed, extract_flow
     from hsx.errors import HsxError
+    from hsx.pipeline import validate_inputs
     from hsx.store import ExtractionStore
 
     try:
+        # Seconds, before Prefect and the engine start: bad input never reaches the store.
+        validate_inputs(settings)
+    except HsxError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
+    from flows.extract import ExtractionIncompleteError, extract_flow
+
+    try:
         summary = extract_flow(settings)
-    except ExtractionFailed as exc:
+    except ExtractionIncompleteError as exc:
         console.print(f"[bold red]extraction incomplete:[/] {exc}")
         return 1
     except HsxError as exc:

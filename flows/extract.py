@@ -29,7 +29,7 @@ from tasks.verify import verify_task
 MAX_CONSECUTIVE_FAILURES = 3
 
 
-class ExtractionFailed(RuntimeError):
+class ExtractionIncompleteError(RuntimeError):
     """Raised at the end of a flow run whose chunks did not all commit and verify."""
 
 
@@ -105,7 +105,7 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         description=f"{summary['chunks_extracted_now']} chunks extracted, {verification['summary']}",
     )
     if failed or not verification["ok"]:
-        raise ExtractionFailed(
+        raise ExtractionIncompleteError(
             f"expected every work chunk committed and verified, found {len(failed)} failed "
             f"(chunks {failed[:20]}) and verification {verification['summary']}; "
             "re-run (or Retry in the UI) to redo only what is missing"

@@ -7,6 +7,8 @@ writes, not tampering.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import xxhash
 
@@ -21,7 +23,8 @@ class RegionHasher:
 
     def update(self, rows: np.ndarray) -> None:
         # C order bytes of the rows: the same bytes the store holds for that region.
-        self._hasher.update(memoryview(np.ascontiguousarray(rows)).cast("B"))
+        contiguous: Any = np.ascontiguousarray(rows)  # numpy arrays are buffers; stubs disagree
+        self._hasher.update(memoryview(contiguous).cast("B"))
 
     def hexdigest(self) -> str:
         return str(self._hasher.hexdigest())

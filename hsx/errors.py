@@ -45,10 +45,6 @@ class StoreError(FatalError):
     """A store whose layout, plan or attributes do not match what this run expects."""
 
 
-class ChecksumMismatch(FatalError):
-    """Stored bytes whose checksum differs from the one in the commit record."""
-
-
 class EngineError(TransientError):
     """The engine died or returned incomplete results; a retry rebuilds it."""
 
@@ -58,4 +54,6 @@ def is_retryable(exc: BaseException) -> bool:
     a retry is cheap next to losing a chunk; known-fatal hsx errors are never retried."""
     if isinstance(exc, HsxError):
         return exc.retryable
-    return not isinstance(exc, (TypeError, ValueError, KeyError, AttributeError, NotImplementedError))
+    return not isinstance(
+        exc, (TypeError, ValueError, KeyError, AttributeError, NotImplementedError)
+    )

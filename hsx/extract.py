@@ -99,7 +99,7 @@ class ChunkWriter:
             )
         padding = self.chunk.row_end - self._next_row - self._pending_rows
         if self._pending_rows or padding:
-            for name, parts in self._pending.items():
+            for parts in self._pending.values():
                 template = parts[0] if parts else np.zeros((0,), dtype=np.uint8)
                 parts.append(np.zeros((padding, *template.shape[1:]), dtype=template.dtype))
             self._pending_rows += padding

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from hsx.dataset import validate_dataset
-from hsx.engine.vllm_engine import drop_engine, get_engine, resolve_dtype
+from hsx.engine.options import resolve_dtype
 from hsx.errors import ConfigError, EngineError
 from hsx.extract import RunContext, extract_chunk, tokenized_samples
 from hsx.plan import read_config
@@ -29,7 +29,7 @@ from hsx.planning import (
     resolve_layer_ids,
     store_metadata,
 )
-from hsx.store import CommitRecord, ExtractionStore
+from hsx.store import CommitRecord, ExtractionStore, check_store_url
 from hsx.verify import VerifyReport, verify_store
 from settings import HsxSettings
 
@@ -53,6 +53,14 @@ def run_spec(settings: HsxSettings) -> RunSpec:
     return RunSpec(config, layer_ids, engine_dtype, logical_dtype(settings, engine_dtype))
 
 
+def validate_inputs(settings: HsxSettings) -> int:
+    """Everything about the inputs that can be checked in seconds, before any model load:
+    the model folder, the store URL, and every line of the dataset. Returns the sample count."""
+    read_config(settings.model)
+    check_store_url(settings.store)
+    return validate_dataset(settings.dataset)
+
+
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model_dir: str) -> Any:
     return load_tokenizer(Path(model_dir))
@@ -70,8 +78,8 @@ class PlanSummary:
 
 def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
     """Validate the dataset, plan, and open or create the store at its final size."""
+    count = validate_inputs(settings)  # the first bad line fails the run before any load
     spec = run_spec(settings)
-    count = validate_dataset(settings.dataset)  # the first bad line fails the run before any load
     tokenizer = _tokenizer(str(settings.model))
     plan = build_plan(settings, tokenizer, spec.config, spec.layer_ids, spec.stored_dtype)
     meta = store_metadata(
@@ -110,6 +118,8 @@ def extract_work_chunk(
     if store.read_commit(chunk_index) is not None:
         logger.info("%s already committed; skipping", chunk.name)
         return None
+    from hsx.engine.vllm_engine import drop_engine, get_engine  # imports vLLM: only here
+
     spec = run_spec(settings)
     lengths = np.asarray(store.array("sample_lengths")[chunk.sample_start : chunk.sample_end])
     samples = tokenized_samples(

@@ -21,7 +21,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import fsspec
 import numpy as np
@@ -74,6 +74,11 @@ def _fs_and_root(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, root.rstrip("/")
 
 
+def check_store_url(url: str) -> None:
+    """Raise StoreError for a URL whose scheme fsspec does not know (before anything is written)."""
+    _fs_and_root(url)
+
+
 def _write_atomic(fs: fsspec.AbstractFileSystem, path: str, payload: bytes) -> None:
     """Temp name then rename on local disks; object stores make a single PUT atomic anyway."""
     if isinstance(fs, LocalFileSystem):
@@ -124,7 +129,7 @@ class ExtractionStore:
         fs, root = _fs_and_root(url)
         if fs.exists(f"{root}/zarr.json"):
             group = zarr.open_group(url, mode="r+")  # type: ignore[arg-type]
-            existing = dict(group.attrs.get(HSX_ATTR, {}))
+            existing: dict[str, Any] = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
             if existing.get("layout_complete"):
                 if existing.get("plan_hash") != plan.plan_hash:
                     raise StoreError(
@@ -180,8 +185,8 @@ class ExtractionStore:
             compressors=None,
         )
         if plan.num_samples:
-            group["sample_starts"][:] = plan.sample_starts
-            group["sample_lengths"][:] = plan.sample_lengths
+            cast(zarr.Array, group["sample_starts"])[:] = plan.sample_starts
+            cast(zarr.Array, group["sample_lengths"])[:] = plan.sample_lengths
         attrs = {
             **meta,
             "schema_version": SCHEMA_VERSION,
@@ -200,7 +205,7 @@ class ExtractionStore:
     # ---- metadata ---------------------------------------------------------------------------
     @property
     def meta(self) -> dict[str, Any]:
-        return dict(self.group.attrs.get(HSX_ATTR, {}))
+        return dict(cast(dict[str, Any], self.group.attrs.get(HSX_ATTR, {})))
 
     @property
     def work_chunks(self) -> list[WorkChunk]:

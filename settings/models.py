@@ -147,9 +147,7 @@ class RunSettings(BaseModel):
     retry_delay_seconds: float = Field(
         2.0, ge=0, le=3600, description="First retry delay; doubles per retry, with jitter."
     )
-    preflight: bool = Field(
-        True, description="Run the preflight checks as the flow's first tasks."
-    )
+    preflight: bool = Field(True, description="Run the preflight checks as the flow's first tasks.")
 
 
 class HsxSettings(BaseSettings):

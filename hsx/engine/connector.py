@@ -37,10 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-# The key a caller puts in SamplingParams.extra_args["kv_transfer_params"] to name its result.
-REQUEST_KEY = "hsx_key"
-CONNECTOR_NAME = "HsxHiddenStatesConnector"
-CONNECTOR_MODULE = __name__
+from hsx.engine.options import CONNECTOR_NAME, REQUEST_KEY
 
 # Sinks registered in this process: sink_id -> callable(key, hidden_states [tokens, K, H]).
 HiddenStateSink = Callable[[str, torch.Tensor], None]
@@ -109,7 +106,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         self,
         vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
+        kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.speculative_config is None:

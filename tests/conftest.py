@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny models built once per session, the bundled dataset, a real Prefect
+engine (prefect_test_harness), and settings for small real runs."""
+
+from __future__ import annotations
+
+import os
+
+# Before vllm/prefect are imported anywhere: they read these once.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "hsx")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_DATASET = REPO_ROOT / "data" / "sample_conversations.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from hsx.tiny_models import ensure_tiny_models
+
+    return ensure_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["tiny-llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["tiny-deepseek-v3"]
+
+
+@pytest.fixture(scope="session")
+def sample_dataset() -> Path:
+    return SAMPLE_DATASET
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """A real Prefect engine and API (temporary SQLite), once per session (~10 s)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def make_settings(model: Path, dataset: Path, store: str, **sections: dict[str, Any]) -> Any:
+    """fp32 engine (bit-level comparisons with HF), small KV cache, small work chunks."""
+    from settings import HsxSettings
+
+    engine = {
+        "dtype": "float32",
+        "max_model_len": 2048,
+        "kv_cache_memory_gib": 0.25,
+        **sections.pop("engine", {}),
+    }
+    layout = {"min_work_chunk_tokens": 1024, **sections.pop("layout", {})}
+    run = {"retry_delay_seconds": 0.0, **sections.pop("run", {})}
+    return HsxSettings(
+        model=model, dataset=dataset, store=store, engine=engine, layout=layout, run=run, **sections
+    )

@@ -1,0 +1,213 @@
+"""The plan and the store on real Zarr stores (tmp_path and memory://), without an engine."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hsx.checksums import digest
+from hsx.dataset import TokenizedSample
+from hsx.errors import StoreError
+from hsx.extract import ChunkWriter, RunContext, extract_chunk
+from hsx.plan import Plan, auto_work_chunk_tokens, cut_chunks
+from hsx.reader import HiddenStatesReader
+from hsx.store import ExtractionStore
+from hsx.verify import verify_store
+
+pytestmark = pytest.mark.timeout(120)
+K, H = 3, 32
+
+
+def make_plan(lengths: list[int], c: int = 16, work: int = 64, tag: str = "a") -> Plan:
+    arr = np.asarray(lengths, dtype=np.int32)
+    chunks, starts, rows = cut_chunks(
+        arr, np.arange(len(arr)) * 10, np.arange(len(arr)) + 1, c, work
+    )
+    inputs = {"tag": tag, "rows_per_chunk": c, "work_chunk_tokens": work}
+    return Plan(inputs, arr, starts, chunks, rows, c)
+
+
+def meta(dtype: str = "float32") -> dict[str, object]:
+    return {
+        "num_layers_captured": K,
+        "hidden_size": H,
+        "logical_dtype": dtype,
+        "layer_ids": [1, 2, 4],
+    }
+
+
+class StatesEngine:
+    """Deterministic states from token ids: the store under test sees real, checkable data."""
+
+    def extract(self, prompts: list[np.ndarray]) -> list[torch.Tensor]:
+        out = []
+        for p in prompts:
+            base = torch.as_tensor(p, dtype=torch.float32)[:, None, None]
+            out.append(base + torch.arange(K * H, dtype=torch.float32).reshape(1, K, H) / 7.0)
+        return out
+
+
+def samples_for(plan: Plan, index: int) -> list[TokenizedSample]:
+    chunk = plan.chunks[index]
+    result = []
+    for i in range(chunk.sample_start, chunk.sample_end):
+        n = int(plan.sample_lengths[i])
+        ids = (np.arange(n, dtype=np.int32) + 100 * i) % 997
+        result.append(TokenizedSample(ids, (np.arange(n) % 2).astype(np.uint8), False))
+    return result
+
+
+@pytest.fixture(params=["local", "memory"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return (
+        str(tmp_path / "store")
+        if request.param == "local"
+        else f"memory://hsx-test-{uuid.uuid4().hex}"
+    )
+
+
+def test_cut_chunks_owns_whole_zarr_chunks() -> None:
+    plan = make_plan([5, 30, 17, 64, 100, 3, 3], c=16, work=64)
+    assert [c.row_start % 16 for c in plan.chunks] == [0] * len(plan.chunks)
+    assert all((c.row_end - c.row_start) % 16 == 0 for c in plan.chunks)
+    assert plan.chunks[0].sample_start == 0 and plan.chunks[-1].sample_end == 7
+    for a, b in zip(plan.chunks, plan.chunks[1:], strict=False):
+        assert a.sample_end == b.sample_start and a.row_end == b.row_start
+    # every sample lies inside its chunk's rows
+    for c in plan.chunks:
+        for i in range(c.sample_start, c.sample_end):
+            assert (
+                c.row_start <= plan.sample_starts[i]
+                and plan.sample_starts[i] + plan.sample_lengths[i] <= c.row_end
+            )
+    assert sum(c.tokens for c in plan.chunks) == 222
+    # a sample longer than a work chunk gets a chunk of its own
+    assert any(c.sample_end - c.sample_start == 1 and c.tokens == 100 for c in plan.chunks)
+
+
+def test_auto_work_chunk_tokens_targets_hundreds_of_tasks() -> None:
+    assert auto_work_chunk_tokens(100_000_000, 256, 256, 4096) == 390_656
+    assert auto_work_chunk_tokens(20_000, 256, 256, 4096) == 4096
+
+
+def test_write_commit_verify_read_roundtrip(store_url: str) -> None:
+    plan = make_plan([5, 30, 17, 64, 100, 3, 3])
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    engine = StatesEngine()
+    for chunk in plan.chunks:
+        extract_chunk(store, chunk, engine, samples_for(plan, chunk.index), 40, RunContext("run-1"))
+    report = verify_store(ExtractionStore.open(store_url))
+    assert report.ok, report.summary()
+    reader = HiddenStatesReader(store_url)
+    assert len(reader) == 7
+    s = reader.sample(3)
+    assert s.hidden_states.shape == (64, K, H)
+    expected = engine.extract([s.input_ids.numpy()])[0]
+    assert torch.equal(s.hidden_states, expected)
+    assert s.aux_hidden_states.shape == (64, (K - 1) * H) and s.target_hidden_states.shape == (
+        64,
+        H,
+    )
+
+
+def test_bfloat16_is_stored_as_uint16_bit_exact(store_url: str) -> None:
+    plan = make_plan([20, 9])
+    store = ExtractionStore.open_or_create(store_url, plan, meta("bfloat16"))
+    assert store.array("hidden_states").dtype == np.uint16
+    assert store.array("hidden_states").attrs["logical_dtype"] == "bfloat16"
+    engine = StatesEngine()
+    extract_chunk(store, plan.chunks[0], engine, samples_for(plan, 0), 100, RunContext("r"))
+    sample = HiddenStatesReader(store_url).sample(1)
+    expected = engine.extract([sample.input_ids.numpy()])[0].to(torch.bfloat16)
+    assert sample.hidden_states.dtype == torch.bfloat16 and torch.equal(
+        sample.hidden_states, expected
+    )
+
+
+def test_uncommitted_chunk_is_invisible_and_reported(store_url: str) -> None:
+    plan = make_plan([30, 30, 30, 30], work=32)
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    writer = ChunkWriter(store, plan.chunks[1])
+    s = samples_for(plan, 1)
+    writer.append(s, StatesEngine().extract([x.input_ids for x in s]))
+    writer.finish()  # rows written, but no commit record: the chunk does not exist
+    extract_chunk(store, plan.chunks[0], StatesEngine(), samples_for(plan, 0), 100, RunContext("r"))
+    reader = HiddenStatesReader(store_url)
+    assert list(reader.available_samples) == [0]
+    with pytest.raises(StoreError, match="not committed"):
+        reader.sample(1)
+    report = verify_store(store)
+    assert not report.ok and report.missing == [1, 2, 3] and report.chunks_verified == 1
+    assert [c.index for c in store.pending_chunks()] == [1, 2, 3]
+
+
+def test_flipped_byte_is_detected(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    plan = make_plan([40, 40], work=48)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    for chunk in plan.chunks:
+        extract_chunk(
+            store, chunk, StatesEngine(), samples_for(plan, chunk.index), 100, RunContext("r")
+        )
+    target = sorted((tmp_path / "store" / "hidden_states" / "c").rglob("*"))
+    files = [p for p in target if p.is_file()]
+    data = bytearray(files[-1].read_bytes())
+    data[len(data) // 2] ^= 0x01
+    files[-1].write_bytes(bytes(data))
+    report = verify_store(ExtractionStore.open(url))
+    assert not report.ok and len(report.problems) == 1
+    assert "hidden_states" in report.problems[0].message and "Stored:" in report.problems[0].message
+
+
+def test_other_plan_is_refused_with_a_diff(store_url: str) -> None:
+    ExtractionStore.open_or_create(store_url, make_plan([10, 10], tag="a"), meta())
+    with pytest.raises(StoreError, match=r"tag: stored 'a', this run 'b'"):
+        ExtractionStore.open_or_create(store_url, make_plan([10, 10], tag="b"), meta())
+
+
+def test_misaligned_write_is_refused(store_url: str) -> None:
+    plan = make_plan([40, 40], work=48)
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    with pytest.raises(StoreError, match="aligned to Zarr chunks of 16 rows"):
+        store.write_rows(8, {"input_ids": np.zeros(16, dtype=np.int32)})
+
+
+def test_unknown_scheme_names_the_url() -> None:
+    with pytest.raises(StoreError, match="nosuch://x"):
+        ExtractionStore.open_or_create("nosuch://x/y", make_plan([4]), meta())
+
+
+def test_planned_token_count_mismatch_is_fatal(store_url: str) -> None:
+    plan = make_plan([10, 10])
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    short = samples_for(plan, 0)[:1]
+    with pytest.raises(StoreError, match="expected 20 tokens as planned, found 10"):
+        extract_chunk(store, plan.chunks[0], StatesEngine(), short, 100, RunContext("r"))
+    assert store.committed_chunks() == {}
+
+
+def test_commit_record_carries_audit_fields(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    plan = make_plan([10])
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    record = extract_chunk(
+        store,
+        plan.chunks[0],
+        StatesEngine(),
+        samples_for(plan, 0),
+        100,
+        RunContext("run-x", attempt=2, code_version="v"),
+    )
+    on_disk = json.loads((tmp_path / "s" / "commits" / "chunk-000000.json").read_text())
+    assert (
+        on_disk["run_id"] == "run-x"
+        and on_disk["attempt"] == 2
+        and on_disk["plan_hash"] == plan.plan_hash
+    )
+    ids = store.read_rows("input_ids", 0, 16)
+    assert on_disk["checksums"]["input_ids"] == digest(ids) == record.checksums["input_ids"]

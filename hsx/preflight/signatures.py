@@ -16,7 +16,7 @@ import importlib
 import inspect
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hsx.preflight.report import CheckResult, Status
@@ -28,6 +28,7 @@ from hsx.preflight.resolve import (
 )
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ModelCall:
 
     passes: tuple[str, ...]  # callee parameter names bound by the model's call
     where: str  # e.g. "DeepseekV2Model.forward (.../deepseek_v2.py:1569)"
-    extra: tuple[str, ...] = field(default=())  # notes: ``**kwargs`` forwarded, unmapped ``*args``
+    extra: tuple[str, ...] = ()  # notes: ``**kwargs`` forwarded, unmapped ``*args``
 
 
 def _location(obj: Any) -> str:
@@ -217,9 +218,6 @@ def compare_call(
                 f"passes it; found omitted (gets default {shown}){where}"
             )
     return out
-
-
-_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 # --------------------------------------------------------------------------- overrides

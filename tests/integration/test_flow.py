@@ -1,0 +1,176 @@
+"""The extraction flow under a real Prefect engine (prefect_test_harness), end to end, then:
+a second run extracts nothing; a chunk that fails for real is retried alone with its traceback in
+the logs, the run ends Failed, and the next run redoes only that chunk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx.store import ExtractionStore
+from tests.conftest import REPO_ROOT, make_settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def flow_logs(flow_run_id: Any) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # logs reach the API in batches
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200
+        )
+    return [log.message for log in logs]
+
+
+def task_runs(flow_run_id: Any) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return list(
+            client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
+        )
+
+
+def test_flow_end_to_end_then_nothing_twice(
+    prefect_harness: None, tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    from flows.extract import extract_flow
+
+    url = str(tmp_path / "flow.zarr")
+    settings = make_settings(
+        tiny_llama,
+        sample_dataset,
+        url,
+        data={"max_samples": 60},
+        layout={"min_work_chunk_tokens": 1024},
+    )
+    first = extract_flow(settings)
+    assert first["verified"] and first["chunks"] >= 3
+    assert (
+        first["chunks_extracted_now"] == first["chunks"]
+        and first["tokens_extracted_now"] == first["tokens"]
+    )
+    store = ExtractionStore.open(url)
+    commits = store.committed_chunks()
+    assert sorted(commits) == list(range(first["chunks"]))
+    runs = {r["run_id"]: r for r in store.run_records()}
+    assert len(runs) == 1 and next(iter(runs.values()))["status"] == "completed"
+    assert {c.run_id for c in commits.values()} == set(runs)
+
+    second = extract_flow(settings)
+    assert (
+        second["verified"]
+        and second["chunks_extracted_now"] == 0
+        and second["tokens_extracted_now"] == 0
+    )
+    assert store.committed_chunks() == commits  # same records: nothing was extracted again
+    assert len(list(store.run_records())) == 2
+
+    # hsx verify: exit 0 on this store; 1 once a stored byte flips.
+    verify = [sys.executable, "-m", "flows.cli", "verify", url]
+    ok = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    victim = next(
+        p for p in sorted((tmp_path / "flow.zarr" / "loss_mask").rglob("*")) if p.is_file()
+    )
+    victim.write_bytes(bytes([victim.read_bytes()[0] ^ 1]) + victim.read_bytes()[1:])
+    bad = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert bad.returncode == 1 and "Stored:" in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_failed_chunk_retries_alone_and_resumes(
+    prefect_harness: None, tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from flows.extract import ExtractionIncompleteError, extract_flow
+
+    url = str(tmp_path / "fault.zarr")
+    settings = make_settings(
+        tiny_llama,
+        sample_dataset,
+        url,
+        data={"max_samples": 60},
+        layout={"min_work_chunk_tokens": 1024},
+        run={"retries": 2},
+    )
+    # A real storage fault: a plain file where Zarr needs the directory of work chunk 1's first
+    # hidden-state object, so every write of that chunk fails (root ignores permission bits).
+    from hsx.pipeline import plan_and_create_store
+
+    plan = plan_and_create_store(settings)
+    store = ExtractionStore.open(url)
+    chunk = store.work_chunks[1]
+    blocker = (
+        tmp_path
+        / "fault.zarr"
+        / "hidden_states"
+        / "c"
+        / str(chunk.row_start // store.meta["rows_per_chunk"])
+    )
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("not a directory")
+
+    with pytest.raises(ExtractionIncompleteError, match=r"1 failed \(chunks \[1\]\)"):
+        extract_flow(settings)
+    assert sorted(store.committed_chunks()) == [i for i in range(plan.chunks) if i != 1]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
+    failed_run = runs[0]
+    assert failed_run.state is not None and failed_run.state.is_failed()
+    chunk_runs = {tr.name: tr for tr in task_runs(failed_run.id)}
+    failing = chunk_runs["extract-chunk-000001"]
+    assert (
+        failing.run_count == 3 and failing.state is not None and failing.state.is_failed()
+    )  # 1 + 2 retries
+    assert all(
+        tr.run_count == 1
+        for name, tr in chunk_runs.items()
+        if name.startswith("extract-chunk-") and name != "extract-chunk-000001"
+    )
+    messages = flow_logs(failed_run.id)
+    failures = [m for m in messages if "work chunk 1 failed (transient" in m]
+    assert len(failures) == 3 and all("Traceback (most recent call last)" in m for m in failures), (
+        messages[-5:]
+    )
+
+    blocker.unlink()
+    resumed = extract_flow(settings)
+    assert resumed["verified"] and resumed["chunks_extracted_now"] == 1
+    assert sorted(store.committed_chunks()) == list(range(plan.chunks))
+    assert (
+        store.read_commit(1) is not None
+        and store.read_commit(1).run_id != store.read_commit(0).run_id
+    )  # type: ignore[union-attr]
+
+
+def test_fatal_bad_dataset_line_is_not_retried(
+    prefect_harness: None, tiny_llama: Path, tmp_path: Path
+) -> None:
+    from flows.extract import extract_flow
+    from hsx.errors import DatasetError
+
+    dataset = tmp_path / "bad.jsonl"
+    good = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    }
+    dataset.write_text(
+        json.dumps(good) + "\n" + '{"messages": [{"role": "user", "content": "no reply"}]}\n'
+    )
+    url = str(tmp_path / "never.zarr")
+    with pytest.raises(DatasetError, match=r"bad.jsonl:2: .*assistant"):
+        extract_flow(make_settings(tiny_llama, dataset, url))
+    assert not Path(url).exists()

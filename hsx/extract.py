@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hsx.checksums import ALGORITHM, RegionHasher
+from hsx.checksums import ALGORITHM, digest
 from hsx.dataset import TokenizedSample, iter_conversations, tokenize_conversation
 from hsx.errors import StoreError
 from hsx.plan import WorkChunk
@@ -55,60 +57,132 @@ def to_stored(states: torch.Tensor, logical_dtype: str) -> np.ndarray:
     return states.to(getattr(torch, logical_dtype)).contiguous().numpy()
 
 
+_STAGING_POOL: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+_STAGING_LOCK = threading.Lock()
+
+
+def _staging_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """A reused buffer: fresh pages cost a page fault each (measured slower than the write)."""
+    with _STAGING_LOCK:
+        free = _STAGING_POOL.get((shape, dtype.str))
+        if free:
+            return free.pop()
+    return np.zeros(shape, dtype=dtype)
+
+
+def _release_staging(buffer: np.ndarray) -> None:
+    with _STAGING_LOCK:
+        _STAGING_POOL.setdefault((buffer.shape, buffer.dtype.str), []).append(buffer)
+
+
+# Storage objects are written by a few threads at once: per-object costs (open, rename, an
+# object store's request latency) overlap, and writes release the GIL.
+_IO_THREADS = 4
+_MAX_IN_FLIGHT = 8  # objects per writer: bounds memory to a few Zarr chunks
+_IO_POOL = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="hsx-io")
+
+
 class ChunkWriter:
-    """Writes one work chunk's rows in whole Zarr chunks and hashes exactly the stored bytes."""
+    """Writes one work chunk's rows in whole Zarr chunks and hashes exactly the stored bytes.
+
+    Rows are copied into reused staging buffers of C rows per array (a fresh allocation per
+    flush costs page faults that measured slower than the write itself on these machines); each
+    full buffer is hashed in row order, then written by the I/O pool while the next fills."""
 
     def __init__(self, store: ExtractionStore, chunk: WorkChunk) -> None:
         self.store = store
         self.chunk = chunk
-        self.rows_per_chunk = int(store.meta["rows_per_chunk"])
+        self.rows = store.rows_per_chunk
         self.logical_dtype = store.logical_dtype
-        self.hashers = {name: RegionHasher() for name in ROW_ARRAYS}
-        self._pending: dict[str, list[np.ndarray]] = {name: [] for name in ROW_ARRAYS}
-        self._pending_rows = 0
+        # Digest futures per array, one per Zarr chunk, in row order.
+        self._digests: dict[str, list[Future[str]]] = {name: [] for name in ROW_ARRAYS}
+        self._staging = {
+            name: _staging_buffer(
+                (self.rows, *store.array(name).shape[1:]), store.array(name).dtype
+            )
+            for name in ROW_ARRAYS
+        }
+        self._filled = 0
         self._next_row = chunk.row_start
         self._written_tokens = 0
+        self._in_flight: deque[Future[str]] = deque()
 
     def append(self, samples: Sequence[TokenizedSample], states: Sequence[torch.Tensor]) -> None:
         for sample, rows in zip(samples, states, strict=True):
-            self._pending["input_ids"].append(sample.input_ids.astype(np.int32, copy=False))
-            self._pending["loss_mask"].append(sample.loss_mask.astype(np.uint8, copy=False))
-            self._pending["hidden_states"].append(to_stored(rows, self.logical_dtype))
-            self._pending_rows += sample.num_tokens
-            self._written_tokens += sample.num_tokens
-        whole = (self._pending_rows // self.rows_per_chunk) * self.rows_per_chunk
-        if whole:
-            self._flush(whole)
+            parts = {
+                "input_ids": sample.input_ids,
+                "loss_mask": sample.loss_mask,
+                "hidden_states": to_stored(rows, self.logical_dtype),  # [tokens, K, H]
+            }
+            count, offset = sample.num_tokens, 0
+            while offset < count:
+                take = min(count - offset, self.rows - self._filled)
+                for name, part in parts.items():
+                    self._staging[name][self._filled : self._filled + take] = part[
+                        offset : offset + take
+                    ]
+                self._filled += take
+                offset += take
+                if self._filled == self.rows:
+                    self._flush()
+            self._written_tokens += count
 
-    def _flush(self, count: int) -> None:
-        arrays = {name: np.concatenate(parts) for name, parts in self._pending.items()}
-        head = {name: array[:count] for name, array in arrays.items()}
-        for name, rows in head.items():
-            self.hashers[name].update(rows)
-        self.store.write_rows(self._next_row, head)
-        self._next_row += count
-        self._pending = {name: [array[count:]] for name, array in arrays.items()}
-        self._pending_rows -= count
+    def _flush(self) -> None:
+        for name, staging in self._staging.items():
+            future = _IO_POOL.submit(self._write, name, self._next_row, staging)
+            self._digests[name].append(future)
+            self._in_flight.append(future)
+            self._staging[name] = _staging_buffer(staging.shape, staging.dtype)
+        self._next_row += self.rows
+        self._filled = 0
+        while len(self._in_flight) > _MAX_IN_FLIGHT:
+            self._in_flight.popleft().result()
 
-    def finish(self) -> dict[str, str]:
-        """Pad the last Zarr chunk with zero rows, write it, return the region digests."""
+    def _write(self, name: str, row_start: int, rows: np.ndarray) -> str:
+        """Hash then write one Zarr chunk (in an I/O thread); returns its digest."""
+        try:
+            checksum = digest(rows)
+            self.store.write_chunk(name, row_start, rows)
+            return checksum
+        finally:
+            _release_staging(rows)
+
+    def _drain(self) -> None:
+        """Wait for every submitted write; the first failure is raised."""
+        error: BaseException | None = None
+        while self._in_flight:
+            try:
+                self._in_flight.popleft().result()
+            except BaseException as exc:  # keep draining: no write may outlive the writer
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def finish(self) -> dict[str, list[str]]:
+        """Pad the last Zarr chunk with zero rows, write it; returns each array's digests, one
+        per Zarr chunk of the region, in row order."""
         if self._written_tokens != self.chunk.tokens:
             raise StoreError(
                 f"{self.chunk.name}: expected {self.chunk.tokens} tokens as planned, found "
                 f"{self._written_tokens} (the dataset or tokenizer changed since the plan)"
             )
-        padding = self.chunk.row_end - self._next_row - self._pending_rows
-        if self._pending_rows or padding:
-            for parts in self._pending.values():
-                template = parts[0] if parts else np.zeros((0,), dtype=np.uint8)
-                parts.append(np.zeros((padding, *template.shape[1:]), dtype=template.dtype))
-            self._pending_rows += padding
-            self._flush(self._pending_rows)
+        try:
+            if self._filled:
+                for staging in self._staging.values():
+                    staging[self._filled :] = 0
+                self._flush()
+        finally:
+            self._drain()
+        for staging in self._staging.values():
+            _release_staging(staging)
+        self._staging = {}
         if self._next_row != self.chunk.row_end:
             raise StoreError(
                 f"{self.chunk.name}: expected to end at row {self.chunk.row_end}, ended at {self._next_row}"
             )
-        return {name: hasher.hexdigest() for name, hasher in self.hashers.items()}
+        return {
+            name: [future.result() for future in futures] for name, futures in self._digests.items()
+        }
 
 
 def tokenized_samples(

@@ -56,7 +56,7 @@ def run_spec(settings: HsxSettings) -> RunSpec:
 def validate_inputs(settings: HsxSettings) -> int:
     """Everything about the inputs that can be checked in seconds, before any model load:
     the model folder, the store URL, and every line of the dataset. Returns the sample count."""
-    read_config(settings.model)
+    run_spec(settings)  # model folder, config.json, layer ids in range
     check_store_url(settings.store)
     return validate_dataset(settings.dataset)
 

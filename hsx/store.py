@@ -48,7 +48,9 @@ class CommitRecord:
     sample_start: int
     sample_end: int
     tokens: int
-    checksums: dict[str, str]  # array name -> digest of its bytes over [row_start, row_end)
+    # array name -> digests of its storage objects over [row_start, row_end), one per Zarr chunk
+    # of C rows in row order: verify names the exact object that changed.
+    checksums: dict[str, list[str]]
     checksum_algorithm: str
     plan_hash: str
     run_id: str
@@ -79,22 +81,30 @@ def check_store_url(url: str) -> None:
     _fs_and_root(url)
 
 
-def _write_atomic(fs: fsspec.AbstractFileSystem, path: str, payload: bytes) -> None:
-    """Temp name then rename on local disks; object stores make a single PUT atomic anyway."""
+def _write_atomic(
+    fs: fsspec.AbstractFileSystem, path: str, payload: bytes | memoryview, durable: bool = False
+) -> None:
+    """Temp name then rename on local disks; object stores make a single PUT atomic anyway.
+
+    ``durable`` fsyncs before the rename: for commit records, so a crash never leaves an empty
+    record behind. Chunk data is not fsynced (verify re-reads it against the commit's checksums)."""
     if isinstance(fs, LocalFileSystem):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        directory = os.path.dirname(path)
+        if not os.path.isdir(directory):
+            os.makedirs(directory, exist_ok=True)
         temp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
             with open(temp, "wb") as handle:
                 handle.write(payload)
-                handle.flush()
-                os.fsync(handle.fileno())
+                if durable:
+                    handle.flush()
+                    os.fsync(handle.fileno())
             os.replace(temp, path)
         finally:
             if os.path.exists(temp):
                 os.unlink(temp)
     else:
-        fs.pipe_file(path, payload)
+        fs.pipe_file(path, bytes(payload))
 
 
 class ExtractionStore:
@@ -104,6 +114,26 @@ class ExtractionStore:
         self.url = url
         self.group = group
         self.fs, self.root = _fs_and_root(url)
+        # Attributes are fixed once the layout is complete: read them once.
+        self._meta: dict[str, Any] = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
+        self._arrays: dict[str, zarr.Array] = {}
+        self._raw_chunks = {name: self._is_raw(name) for name in ROW_ARRAYS if name in group}
+
+    def _is_raw(self, name: str) -> bool:
+        """True when the array's chunks are stored as plain little-endian bytes (no codec but
+        the bytes codec), so a chunk object can be written without zarr's codec pipeline."""
+        from zarr.codecs import BytesCodec
+
+        codecs: tuple[Any, ...] = tuple(getattr(self.array(name).metadata, "codecs", ()))
+        return (
+            len(codecs) == 1
+            and isinstance(codecs[0], BytesCodec)
+            and (codecs[0].endian is None or codecs[0].endian.value == "little")
+        )
+
+    @property
+    def rows_per_chunk(self) -> int:
+        return int(self._meta["rows_per_chunk"])
 
     # ---- opening ----------------------------------------------------------------------------
     @classmethod
@@ -151,16 +181,31 @@ class ExtractionStore:
         rows, c = plan.total_rows, plan.rows_per_chunk
         k, h = int(meta["num_layers_captured"]), int(meta["hidden_size"])
         stored_dtype = "uint16" if meta["logical_dtype"] == "bfloat16" else meta["logical_dtype"]
+        # "c.I.0.0" keys: all chunk objects of an array in one folder. Zarr's default "c/I/0/0"
+        # makes two directories per chunk on local disks (measured: mkdir cost more than the write).
+        keys: Any = {"name": "default", "separator": "."}
         compressors: Any = None
         if meta.get("compressor") == "zstd":
             from zarr.codecs import ZstdCodec
 
             compressors = [ZstdCodec(level=1)]
         group.create_array(
-            "input_ids", shape=(rows,), chunks=(c,), dtype="int32", compressors=None, fill_value=0
+            "input_ids",
+            shape=(rows,),
+            chunks=(c,),
+            dtype="int32",
+            compressors=None,
+            chunk_key_encoding=keys,
+            fill_value=0,
         )
         group.create_array(
-            "loss_mask", shape=(rows,), chunks=(c,), dtype="uint8", compressors=None, fill_value=0
+            "loss_mask",
+            shape=(rows,),
+            chunks=(c,),
+            dtype="uint8",
+            compressors=None,
+            chunk_key_encoding=keys,
+            fill_value=0,
         )
         hidden = group.create_array(
             "hidden_states",
@@ -168,6 +213,7 @@ class ExtractionStore:
             chunks=(c, k, h),
             dtype=stored_dtype,
             compressors=compressors,
+            chunk_key_encoding=keys,
             fill_value=0,
             dimension_names=("token", "layer", "hidden"),
         )
@@ -183,6 +229,7 @@ class ExtractionStore:
             chunks=(n,),
             dtype="int32",
             compressors=None,
+            chunk_key_encoding=keys,
         )
         if plan.num_samples:
             cast(zarr.Array, group["sample_starts"])[:] = plan.sample_starts
@@ -205,7 +252,7 @@ class ExtractionStore:
     # ---- metadata ---------------------------------------------------------------------------
     @property
     def meta(self) -> dict[str, Any]:
-        return dict(cast(dict[str, Any], self.group.attrs.get(HSX_ATTR, {})))
+        return self._meta
 
     @property
     def work_chunks(self) -> list[WorkChunk]:
@@ -216,25 +263,48 @@ class ExtractionStore:
         return str(self.meta["logical_dtype"])
 
     def array(self, name: str) -> zarr.Array:
+        cached = self._arrays.get(name)
+        if cached is not None:
+            return cached
         node = self.group[name]
         if not isinstance(node, zarr.Array):
             raise StoreError(
                 f"store {self.url}: expected array {name!r}, found {type(node).__name__}"
             )
+        self._arrays[name] = node
         return node
 
-    # ---- rows -------------------------------------------------------------------------------
+    # ---- rows ----------------------------------------------------------------------------
     def write_rows(self, row_start: int, arrays: dict[str, np.ndarray]) -> None:
         """Write whole Zarr chunks starting at ``row_start`` (a multiple of C)."""
-        c = int(self.meta["rows_per_chunk"])
+        c = self.rows_per_chunk
         for name, rows in arrays.items():
             count = rows.shape[0]
-            if row_start % c or (count % c and row_start + count != self.array(name).shape[0]):
+            if row_start % c or count % c:
                 raise StoreError(
                     f"{name}: expected a write aligned to Zarr chunks of {c} rows, found rows "
                     f"[{row_start}, {row_start + count})"
                 )
-            self.array(name)[row_start : row_start + count] = rows
+            for offset in range(0, count, c):
+                self.write_chunk(name, row_start + offset, rows[offset : offset + c])
+
+    def write_chunk(self, name: str, row_start: int, rows: np.ndarray) -> None:
+        """Write one whole Zarr chunk (C rows). Uncompressed arrays are written as the chunk's
+        storage object directly (its bytes are the rows in C order, little endian: what zarr
+        itself would write), atomically; zarr's own write path measured 5-8x slower here."""
+        array = self.array(name)
+        if row_start % self.rows_per_chunk or rows.shape[0] != self.rows_per_chunk:
+            raise StoreError(
+                f"{name}: expected one whole Zarr chunk of {self.rows_per_chunk} rows at a "
+                f"multiple of {self.rows_per_chunk}, found {rows.shape[0]} rows at {row_start}"
+            )
+        if not self._raw_chunks.get(name, False):
+            array[row_start : row_start + rows.shape[0]] = rows
+            return
+        coords = (row_start // self.rows_per_chunk,) + (0,) * (rows.ndim - 1)
+        key = array.metadata.encode_chunk_key(coords)
+        data = np.ascontiguousarray(rows, dtype=array.dtype)
+        _write_atomic(self.fs, f"{self.root}/{name}/{key}", memoryview(cast(Any, data)).cast("B"))
 
     def read_rows(self, name: str, row_start: int, row_end: int) -> np.ndarray:
         return np.asarray(self.array(name)[row_start:row_end])
@@ -245,7 +315,7 @@ class ExtractionStore:
 
     def write_commit(self, record: CommitRecord) -> None:
         payload = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
-        _write_atomic(self.fs, self._commit_path(record.chunk_index), payload)
+        _write_atomic(self.fs, self._commit_path(record.chunk_index), payload, durable=True)
 
     def read_commit(self, index: int) -> CommitRecord | None:
         path = self._commit_path(index)
@@ -282,7 +352,7 @@ class ExtractionStore:
 
     def write_run_record(self, run_id: str, record: dict[str, Any]) -> None:
         payload = json.dumps(record, indent=1, sort_keys=True, default=str).encode()
-        _write_atomic(self.fs, f"{self.root}/{RUNS_DIR}/{run_id}.json", payload)
+        _write_atomic(self.fs, f"{self.root}/{RUNS_DIR}/{run_id}.json", payload, durable=True)
 
     def run_records(self) -> Iterator[dict[str, Any]]:
         directory = f"{self.root}/{RUNS_DIR}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hsx.checksums import ALGORITHM, RegionHasher
+from hsx.checksums import ALGORITHM, digest
 from hsx.store import ROW_ARRAYS, ExtractionStore
 
 
@@ -74,20 +74,30 @@ def verify_store(
             continue
         bad = False
         for name in ROW_ARRAYS:
-            hasher = RegionHasher()
-            for row in range(chunk.row_start, chunk.row_end, step):
-                rows = store.read_rows(name, row, min(row + step, chunk.row_end))
-                hasher.update(rows)
-                report.bytes_read += rows.nbytes
-            computed, stored = hasher.hexdigest(), record.checksums.get(name)
-            if computed != stored:
+            stored = list(record.checksums.get(name, []))
+            objects = (chunk.row_end - chunk.row_start) // step
+            if len(stored) != objects:
                 bad = True
                 report.problems.append(
                     ChunkProblem(
                         chunk.index,
-                        f"{name} rows [{chunk.row_start}, {chunk.row_end}): stored and computed checksum do not match. Stored: {stored} Computed: {computed}",
+                        f"{name}: expected {objects} checksums in the commit, found {len(stored)}",
                     )
                 )
+                continue
+            for position, row in enumerate(range(chunk.row_start, chunk.row_end, step)):
+                rows = store.read_rows(name, row, row + step)  # one storage object at a time
+                report.bytes_read += rows.nbytes
+                computed = digest(rows)
+                if computed != stored[position]:
+                    bad = True
+                    report.problems.append(
+                        ChunkProblem(
+                            chunk.index,
+                            f"{name} rows [{row}, {row + step}): stored and computed checksum do not "
+                            f"match. Stored: {stored[position]} Computed: {computed}",
+                        )
+                    )
         if not bad:
             report.chunks_verified += 1
         if progress is not None:

@@ -107,8 +107,8 @@ def test_failed_chunk_retries_alone_and_resumes(
         layout={"min_work_chunk_tokens": 1024},
         run={"retries": 2},
     )
-    # A real storage fault: a plain file where Zarr needs the directory of work chunk 1's first
-    # hidden-state object, so every write of that chunk fails (root ignores permission bits).
+    # A real storage fault: a directory where work chunk 1's first hidden-state object must go,
+    # so every write of that chunk fails (root ignores permission bits).
     from hsx.pipeline import plan_and_create_store
 
     plan = plan_and_create_store(settings)
@@ -147,7 +147,7 @@ def test_failed_chunk_retries_alone_and_resumes(
         messages[-5:]
     )
 
-    blocker.unlink()
+    blocker.rmdir()
     resumed = extract_flow(settings)
     assert resumed["verified"] and resumed["chunks_extracted_now"] == 1
     assert sorted(store.committed_chunks()) == list(range(plan.chunks))

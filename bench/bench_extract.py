@@ -1,0 +1,209 @@
+"""Extraction benchmark: ratios against baselines measured in the same run (machines are noisy).
+
+1. tokens/s of hsx's extraction (tokenize, vLLM extract_hidden_states + hsx connector, Zarr write,
+   checksums, commit) against the same engine settings doing plain prefill (max_tokens=1, no
+   extraction), on the same token ids. Each side runs in its own process, alternately, best of N.
+2. Store write GB/s (hsx's ChunkWriter: Zarr + streaming xxh3 checksums) against a raw file
+   write of the same bytes.
+3. Peak RSS of a whole extraction for the bundled dataset and for ten times as many
+   conversations: it must not grow with the dataset.
+
+    .venv/bin/python bench/bench_extract.py [--model tiny-llama] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _settings(model: Path, dataset: Path, store: str, dtype: str):  # type: ignore[no-untyped-def]
+    from settings import HsxSettings
+
+    return HsxSettings(
+        model=model, dataset=dataset, store=store,
+        engine={"dtype": dtype, "max_model_len": 2048, "kv_cache_memory_gib": 0.5},
+        data={"max_length": 2048}, layout={"min_work_chunk_tokens": 4096},
+    )
+
+
+def child_plain(model: Path, dataset: Path, dtype: str) -> dict[str, float]:
+    """Plain prefill: the same engine settings without extraction."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from hsx.dataset import iter_conversations, tokenize_conversation
+    from hsx.engine.options import engine_kwargs
+    from hsx.extract import batches
+    from hsx.planning import load_tokenizer
+
+    settings = _settings(model, dataset, "memory://unused", dtype)
+    kwargs = engine_kwargs(model, settings.engine, (2,), "unused", "")
+    kwargs.pop("speculative_config")
+    kwargs.pop("kv_transfer_config")
+    tokenizer = load_tokenizer(model)
+    samples = [tokenize_conversation(tokenizer, c.messages, 2048) for c in iter_conversations(dataset)]
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=1)
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    tokens = 0
+    for batch in batches(samples, settings.engine.batch_tokens):
+        llm.generate([TokensPrompt(prompt_token_ids=s.input_ids.tolist()) for s in batch], params, use_tqdm=False)
+        tokens += sum(s.num_tokens for s in batch)
+    seconds = time.perf_counter() - started
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def child_hsx(model: Path, dataset: Path, dtype: str, store: str) -> dict[str, float]:
+    """hsx's extraction of every work chunk (engine load and planning excluded, as for plain)."""
+    from hsx.extract import RunContext
+    from hsx.pipeline import extract_work_chunk, plan_and_create_store, run_spec
+    from hsx.engine.vllm_engine import get_engine
+
+    settings = _settings(model, dataset, store, dtype)
+    summary = plan_and_create_store(settings)
+    engine = get_engine(settings.model, settings.engine, run_spec(settings).layer_ids)
+    engine.extract([__import__("numpy").asarray([1, 2, 3])])  # warm-up, as for plain
+    started = time.perf_counter()
+    tokens = 0
+    for index in summary.pending:
+        record = extract_work_chunk(settings, index, RunContext("bench"))
+        tokens += record.tokens if record else 0
+    seconds = time.perf_counter() - started
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_child(kind: str, *args: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", kind, *args], capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{kind} child failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_write(total_bytes: int, repeats: int, scratch: Path) -> dict[str, float]:
+    """hsx's ChunkWriter (Zarr + checksums) against a raw write of the same bytes."""
+    import numpy as np
+    import torch
+
+    from hsx.dataset import TokenizedSample
+    from hsx.plan import Plan, cut_chunks
+    from hsx.store import ExtractionStore
+
+    k, h, c = 4, 4096, 256  # a mid-size model's rows: 32 KiB per token in bf16
+    tokens = total_bytes // (2 * k * h)
+    lengths = np.full(tokens // 1024, 1024, dtype=np.int32)
+    chunks, starts, rows = cut_chunks(lengths, np.zeros(len(lengths), np.int64), np.ones(len(lengths), np.int64), c, 16384)
+    plan = Plan({"bench": True}, lengths, starts, chunks, rows, c)
+    states = torch.randn(1024, k, h).to(torch.bfloat16)
+    sample = TokenizedSample(np.arange(1024, dtype=np.int32), np.ones(1024, dtype=np.uint8), False)
+    payload = states.view(torch.int16).numpy().tobytes()
+    from hsx.extract import ChunkWriter
+
+    def settle() -> None:
+        # Page-cache writeback of the previous pass throttles the next one: start each pass with
+        # no dirty pages, so neither side pays for the other.
+        os.sync()
+        time.sleep(0.5)
+
+    def raw_pass() -> float:
+        raw_path = scratch / "raw.bin"
+        settle()
+        started = time.perf_counter()
+        with open(raw_path, "wb") as handle:
+            for _ in range(len(lengths)):
+                handle.write(payload)
+        seconds = time.perf_counter() - started
+        raw_path.unlink()
+        return seconds
+
+    def hsx_pass() -> float:
+        url = str(scratch / "w.zarr")
+        meta = {"num_layers_captured": k, "hidden_size": h, "logical_dtype": "bfloat16", "layer_ids": [1, 2, 3, 4]}
+        store = ExtractionStore.open_or_create(url, plan, meta)
+        settle()
+        started = time.perf_counter()
+        for chunk in plan.chunks:
+            writer = ChunkWriter(store, chunk)
+            for _ in range(chunk.sample_start, chunk.sample_end):
+                writer.append([sample], [states])
+            writer.finish()
+        seconds = time.perf_counter() - started
+        shutil.rmtree(url)
+        return seconds
+
+    best_raw, best_hsx = float("inf"), float("inf")
+    for rep in range(repeats):  # alternate the order: neither side always goes first
+        first, second = (raw_pass, hsx_pass) if rep % 2 == 0 else (hsx_pass, raw_pass)
+        times = {first: first(), second: second()}
+        print(f"  write pass {rep}: raw {times[raw_pass]:.3f} s, hsx {times[hsx_pass]:.3f} s", flush=True)
+        best_raw, best_hsx = min(best_raw, times[raw_pass]), min(best_hsx, times[hsx_pass])
+    nbytes = len(payload) * len(lengths)
+    return {"bytes": nbytes, "raw_gb_per_s": nbytes / best_raw / 1e9, "hsx_gb_per_s": nbytes / best_hsx / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", nargs="+")
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--write-mib", type=int, default=512)
+    parser.add_argument("--only", choices=["throughput", "write", "memory"], default=None)
+    args = parser.parse_args()
+    if args.child:
+        kind, model, dataset, dtype, *rest = args.child
+        result = child_plain(Path(model), Path(dataset), dtype) if kind == "plain" else child_hsx(Path(model), Path(dataset), dtype, rest[0])
+        print(json.dumps(result))
+        return
+
+    from hsx.sample_data import write_jsonl
+    from hsx.tiny_models import ensure_tiny_models
+
+    model = ensure_tiny_models(ROOT / "models")[args.model]
+    scratch = Path(tempfile.mkdtemp(prefix="hsx-bench-", dir=ROOT))
+    try:
+        small = ROOT / "data" / "sample_conversations.jsonl"
+        large = write_jsonl(scratch / "x10.jsonl", 3000, seed=0)
+        print(f"model {model.name}, dtype {args.dtype}; datasets: bundled (300 conversations) and x10 (3000)")
+
+        plain, extract = [], []
+        for rep in range(args.repeats):
+            plain.append(run_child("plain", str(model), str(large), args.dtype))
+            extract.append(run_child("hsx", str(model), str(large), args.dtype, str(scratch / f"t{rep}.zarr")))
+            shutil.rmtree(scratch / f"t{rep}.zarr", ignore_errors=True)
+        best_plain = max(r["tokens_per_s"] for r in plain)
+        best_hsx = max(r["tokens_per_s"] for r in extract)
+        print(f"[throughput] plain prefill {best_plain:,.0f} tok/s; hsx extraction {best_hsx:,.0f} tok/s "
+              f"({extract[0]['tokens']:,} tokens) -> ratio {best_hsx / best_plain:.3f} (target >= 0.9)")
+
+        write = bench_write(args.write_mib << 20, 4, scratch)
+        print(f"[store write] raw file {write['raw_gb_per_s']:.2f} GB/s; hsx Zarr+xxh3 {write['hsx_gb_per_s']:.2f} GB/s "
+              f"({write['bytes'] / 2**20:,.0f} MiB) -> ratio {write['hsx_gb_per_s'] / write['raw_gb_per_s']:.3f} (target >= 0.9)")
+
+        mem_small = run_child("hsx", str(model), str(small), args.dtype, str(scratch / "m1.zarr"))["peak_rss_mib"]
+        mem_large = max(r["peak_rss_mib"] for r in extract)
+        print(f"[memory] peak RSS bundled {mem_small:,.0f} MiB; x10 {mem_large:,.0f} MiB -> ratio {mem_large / mem_small:.3f} (target <= 1.10)")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

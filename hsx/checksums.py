@@ -15,22 +15,7 @@ import xxhash
 ALGORITHM = "xxh3_128"
 
 
-class RegionHasher:
-    """Streams the bytes of one array region, in row order, into one digest."""
-
-    def __init__(self) -> None:
-        self._hasher = xxhash.xxh3_128()
-
-    def update(self, rows: np.ndarray) -> None:
-        # C order bytes of the rows: the same bytes the store holds for that region.
-        contiguous: Any = np.ascontiguousarray(rows)  # numpy arrays are buffers; stubs disagree
-        self._hasher.update(memoryview(contiguous).cast("B"))
-
-    def hexdigest(self) -> str:
-        return str(self._hasher.hexdigest())
-
-
 def digest(rows: np.ndarray) -> str:
-    hasher = RegionHasher()
-    hasher.update(rows)
-    return hasher.hexdigest()
+    """xxh3-128 of the rows' C-order bytes: the bytes the store holds for them."""
+    contiguous: Any = np.ascontiguousarray(rows)  # numpy arrays are buffers; stubs disagree
+    return str(xxhash.xxh3_128(memoryview(contiguous).cast("B")).hexdigest())

@@ -19,17 +19,16 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from hsx.checksums import ALGORITHM, digest
-from hsx.dataset import TokenizedSample, iter_conversations, tokenize_conversation
+from hsx.dataset import TokenizedSample
 from hsx.errors import StoreError
 from hsx.plan import WorkChunk
-from hsx.store import ROW_ARRAYS, CommitRecord, ExtractionStore
+from hsx.store import CommitRecord, ExtractionStore
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +54,12 @@ def to_stored(states: torch.Tensor, logical_dtype: str) -> np.ndarray:
     if logical_dtype == "bfloat16":
         return states.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
     return states.to(getattr(torch, logical_dtype)).contiguous().numpy()
+
+
+# The arrays a work chunk writes; input_ids and loss_mask were written with the store's layout
+# (from the plan) and are only read and checksummed by the chunk.
+WRITTEN_ARRAYS = ("hidden_states",)
+READ_ARRAYS = ("input_ids", "loss_mask")
 
 
 _STAGING_POOL: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
@@ -94,13 +99,13 @@ class ChunkWriter:
         self.chunk = chunk
         self.rows = store.rows_per_chunk
         self.logical_dtype = store.logical_dtype
-        # Digest futures per array, one per Zarr chunk, in row order.
-        self._digests: dict[str, list[Future[str]]] = {name: [] for name in ROW_ARRAYS}
+        # Digest futures, one per Zarr chunk, in row order.
+        self._digests: dict[str, list[Future[str]]] = {name: [] for name in WRITTEN_ARRAYS}
         self._staging = {
             name: _staging_buffer(
                 (self.rows, *store.array(name).shape[1:]), store.array(name).dtype
             )
-            for name in ROW_ARRAYS
+            for name in WRITTEN_ARRAYS
         }
         self._filled = 0
         self._next_row = chunk.row_start
@@ -109,11 +114,7 @@ class ChunkWriter:
 
     def append(self, samples: Sequence[TokenizedSample], states: Sequence[torch.Tensor]) -> None:
         for sample, rows in zip(samples, states, strict=True):
-            parts = {
-                "input_ids": sample.input_ids,
-                "loss_mask": sample.loss_mask,
-                "hidden_states": to_stored(rows, self.logical_dtype),  # [tokens, K, H]
-            }
+            parts = {"hidden_states": to_stored(rows, self.logical_dtype)}  # [tokens, K, H]
             count, offset = sample.num_tokens, 0
             while offset < count:
                 take = min(count - offset, self.rows - self._filled)
@@ -185,34 +186,24 @@ class ChunkWriter:
         }
 
 
-def tokenized_samples(
-    dataset: Path, tokenizer: Any, chunk: WorkChunk, max_length: int, expected_lengths: np.ndarray
-) -> list[TokenizedSample]:
-    """The chunk's samples, read from its byte offset and checked against the planned lengths."""
-    samples: list[TokenizedSample] = []
-    start = (chunk.byte_offset, chunk.line_number, chunk.sample_start)
-    for conversation in iter_conversations(dataset, start=start):
-        if conversation.index >= chunk.sample_end:
-            break
-        sample = tokenize_conversation(
-            tokenizer,
-            conversation.messages,
-            max_length,
-            where=f"{dataset}:{conversation.line_number}",
-        )
-        planned = int(expected_lengths[conversation.index - chunk.sample_start])
-        if sample.num_tokens != planned:
-            raise StoreError(
-                f"{dataset}:{conversation.line_number}: expected {planned} tokens as planned, found "
-                f"{sample.num_tokens} (the dataset or tokenizer changed since the plan)"
-            )
-        samples.append(sample)
-    if len(samples) != chunk.sample_end - chunk.sample_start:
-        raise StoreError(
-            f"{chunk.name}: expected samples {chunk.sample_start}..{chunk.sample_end - 1} in {dataset}, "
-            f"found {len(samples)} (the dataset changed since the plan)"
-        )
-    return samples
+def chunk_samples(
+    store: ExtractionStore, chunk: WorkChunk
+) -> tuple[list[TokenizedSample], dict[str, list[str]]]:
+    """The chunk's samples, from the token rows stored at planning, and the digests of those
+    rows (one per Zarr chunk) for the commit."""
+    regions = {name: store.read_rows(name, chunk.row_start, chunk.row_end) for name in READ_ARRAYS}
+    step = store.rows_per_chunk
+    digests = {
+        name: [digest(rows[offset : offset + step]) for offset in range(0, rows.shape[0], step)]
+        for name, rows in regions.items()
+    }
+    starts, lengths = store.sample_rows(chunk.sample_start, chunk.sample_end)
+    samples = []
+    for first, length in zip((starts - chunk.row_start).tolist(), lengths.tolist(), strict=True):
+        ids = regions["input_ids"][first : first + length]
+        mask = regions["loss_mask"][first : first + length]
+        samples.append(TokenizedSample(ids, mask, truncated=False))
+    return samples, digests
 
 
 def batches(
@@ -234,7 +225,6 @@ def extract_chunk(
     store: ExtractionStore,
     chunk: WorkChunk,
     engine: HiddenStateEngine,
-    samples: Sequence[TokenizedSample],
     batch_tokens: int,
     context: RunContext,
     progress: Callable[[int], None] | None = None,
@@ -242,6 +232,7 @@ def extract_chunk(
     """Extract and write ``chunk``, then write its commit record (last). Returns the record."""
     started_at = datetime.now(UTC)
     started = time.perf_counter()
+    samples, read_digests = chunk_samples(store, chunk)
     writer = ChunkWriter(store, chunk)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-writer") as pool:
         pending: Future[None] | None = None
@@ -254,7 +245,7 @@ def extract_chunk(
                 progress(sum(sample.num_tokens for sample in batch))
         if pending is not None:
             pending.result()
-    checksums = writer.finish()
+    checksums = {**read_digests, **writer.finish()}
     record = CommitRecord(
         chunk_index=chunk.index,
         row_start=chunk.row_start,

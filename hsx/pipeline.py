@@ -14,12 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hsx.dataset import validate_dataset
 from hsx.engine.options import resolve_dtype
 from hsx.errors import ConfigError, EngineError
-from hsx.extract import RunContext, extract_chunk, tokenized_samples
+from hsx.extract import RunContext, extract_chunk
 from hsx.plan import read_config
 from hsx.planning import (
     build_plan,
@@ -121,13 +119,9 @@ def extract_work_chunk(
     from hsx.engine.vllm_engine import drop_engine, get_engine  # imports vLLM: only here
 
     spec = run_spec(settings)
-    lengths = np.asarray(store.array("sample_lengths")[chunk.sample_start : chunk.sample_end])
-    samples = tokenized_samples(
-        settings.dataset, _tokenizer(str(settings.model)), chunk, settings.data.max_length, lengths
-    )
     engine = get_engine(settings.model, settings.engine, spec.layer_ids)
     try:
-        return extract_chunk(store, chunk, engine, samples, settings.engine.batch_tokens, context)
+        return extract_chunk(store, chunk, engine, settings.engine.batch_tokens, context)
     except EngineError:
         # A dead engine is rebuilt by the retry; a live one is kept for the next chunk.
         drop_engine(settings.model, settings.engine, spec.layer_ids)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hsx.errors import ConfigError
+from hsx.token_spool import TokenSpool
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,32 @@ class Plan:
     chunks: list[WorkChunk]
     total_rows: int
     rows_per_chunk: int
+    # Every sample's token ids and loss mask, in sample order (written into a new store).
+    tokens: TokenSpool | None = None
+
+    def close(self) -> None:
+        if self.tokens is not None:
+            self.tokens.close()
+            self.tokens = None
+
+    def chunk_rows(self, chunk: WorkChunk) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, loss_mask) of the chunk's rows [row_start, row_end), zero-padded."""
+        if self.tokens is None:
+            raise ConfigError("plan has no token spool: it was closed before the store was written")
+        size = chunk.row_end - chunk.row_start
+        ids = np.zeros(size, dtype=np.int32)
+        mask = np.zeros(size, dtype=np.uint8)
+        first = (
+            int(self.sample_starts[chunk.sample_start])
+            if chunk.sample_end > chunk.sample_start
+            else 0
+        )
+        spool_offset = int(self.sample_lengths[: chunk.sample_start].sum())
+        spool_ids, spool_mask = self.tokens.rows(spool_offset, chunk.tokens)
+        # Samples are contiguous inside a work chunk; padding only follows the last one.
+        ids[first - chunk.row_start : first - chunk.row_start + chunk.tokens] = spool_ids
+        mask[first - chunk.row_start : first - chunk.row_start + chunk.tokens] = spool_mask
+        return ids, mask
 
     @property
     def num_samples(self) -> int:
@@ -83,6 +110,13 @@ def auto_work_chunk_tokens(
     task runs under bursts of thousands), never below ``min_tokens``; a multiple of C."""
     wanted = max(math.ceil(total_tokens / max(target_chunks, 1)), min_tokens, rows_per_chunk)
     return math.ceil(wanted / rows_per_chunk) * rows_per_chunk
+
+
+def auto_rows_per_chunk(row_bytes: int, target_bytes: int) -> int:
+    """A power of two of rows whose hidden-state object is nearest ``target_bytes``, in
+    [64, 65536]: 16 MiB gives C=256 for Kimi-K2 (K=4, H=7168, bf16) and 8192 for a tiny model."""
+    wanted = max(target_bytes / max(row_bytes, 1), 1.0)
+    return int(min(max(2 ** round(math.log2(wanted)), 64), 65536))
 
 
 def cut_chunks(

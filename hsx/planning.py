@@ -19,7 +19,8 @@ from hsx.dataset import (
 )
 from hsx.errors import ConfigError
 from hsx.layers import convert_layer_ids, default_layer_ids
-from hsx.plan import Plan, auto_work_chunk_tokens, cut_chunks, text_config
+from hsx.plan import Plan, auto_rows_per_chunk, auto_work_chunk_tokens, cut_chunks, text_config
+from hsx.token_spool import TokenSpool
 from settings import HsxSettings
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,25 @@ def build_plan(
     layer_ids: tuple[int, ...],
     stored_dtype: str,
 ) -> Plan:
-    """Tokenize every conversation once (keeping only lengths and offsets) and cut work chunks."""
+    """Tokenize every conversation once, spooling the tokens to disk, and cut work chunks.
+
+    The returned plan owns ``plan.tokens``: close it (``plan.close()``) when the store exists."""
+    spool = TokenSpool()
+    try:
+        return _build_plan(settings, tokenizer, config, layer_ids, stored_dtype, spool)
+    except BaseException:
+        spool.close()
+        raise
+
+
+def _build_plan(
+    settings: HsxSettings,
+    tokenizer: Any,
+    config: dict[str, Any],
+    layer_ids: tuple[int, ...],
+    stored_dtype: str,
+    spool: TokenSpool,
+) -> Plan:
     lengths: list[int] = []
     offsets: list[int] = []
     lines: list[int] = []
@@ -107,14 +126,23 @@ def build_plan(
             settings.data.max_length,
             where=f"{settings.dataset}:{conversation.line_number}",
         )
+        spool.append(sample.input_ids, sample.loss_mask)
         lengths.append(sample.num_tokens)
         offsets.append(conversation.byte_offset)
         lines.append(conversation.line_number)
     lengths_np = np.asarray(lengths, dtype=np.int32)
     layout = settings.layout
     total = int(lengths_np.sum())
+    row_bytes = (
+        len(layer_ids)
+        * int(text_config(config)["hidden_size"])
+        * (4 if stored_dtype == "float32" else 2)
+    )
+    rows_per_chunk = layout.rows_per_chunk or auto_rows_per_chunk(
+        row_bytes, int(layout.target_object_mib * 2**20)
+    )
     chunk_tokens = layout.work_chunk_tokens or auto_work_chunk_tokens(
-        total, layout.rows_per_chunk, layout.target_work_chunks, layout.min_work_chunk_tokens
+        total, rows_per_chunk, layout.target_work_chunks, layout.min_work_chunk_tokens
     )
     if max(lengths, default=0) > settings.engine.max_model_len:
         raise ConfigError(
@@ -126,7 +154,7 @@ def build_plan(
         lengths_np,
         np.asarray(offsets, dtype=np.int64),
         np.asarray(lines, dtype=np.int64),
-        layout.rows_per_chunk,
+        rows_per_chunk,
         chunk_tokens,
     )
     inputs = {
@@ -135,7 +163,7 @@ def build_plan(
         "model_config_hash": config_hash(config),
         "max_length": settings.data.max_length,
         "max_samples": settings.data.max_samples,
-        "rows_per_chunk": layout.rows_per_chunk,
+        "rows_per_chunk": rows_per_chunk,
         "work_chunk_tokens": chunk_tokens,
         "layer_ids": list(layer_ids),
         "logical_dtype": stored_dtype,
@@ -153,7 +181,8 @@ def build_plan(
         sample_starts=starts,
         chunks=chunks,
         total_rows=total_rows,
-        rows_per_chunk=layout.rows_per_chunk,
+        rows_per_chunk=rows_per_chunk,
+        tokens=spool,
     )
 
 

@@ -244,10 +244,25 @@ class ExtractionStore:
             "total_tokens": plan.total_tokens,
             "rows_per_chunk": c,
             "work_chunks": [asdict(chunk) for chunk in plan.chunks],
-            "layout_complete": True,  # written last: an interrupted creation is recreated
+            "layout_complete": False,
         }
         group.attrs[HSX_ATTR] = attrs
-        return cls(url, group)
+        store = cls(url, group)
+        # Token ids and loss masks are known from the plan: written once, here, so work chunks
+        # only read them (and checksum them in their commits).
+        for chunk in plan.chunks:
+            ids, mask = plan.chunk_rows(chunk)
+            store.write_rows(chunk.row_start, {"input_ids": ids, "loss_mask": mask})
+        attrs["layout_complete"] = True  # last: an interrupted creation is recreated
+        group.attrs[HSX_ATTR] = attrs
+        store._meta = attrs
+        return store
+
+    def sample_rows(self, sample_start: int, sample_end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample_starts [n] int64, sample_lengths [n] int32) of samples [start, end)."""
+        starts = np.asarray(self.array("sample_starts")[sample_start:sample_end], dtype=np.int64)
+        lengths = np.asarray(self.array("sample_lengths")[sample_start:sample_end], dtype=np.int32)
+        return starts, lengths
 
     # ---- metadata ---------------------------------------------------------------------------
     @property

@@ -114,12 +114,16 @@ class DataSettings(BaseModel):
 class StoreSettings(BaseModel):
     """The Zarr store layout."""
 
-    rows_per_chunk: int = Field(
-        256,
+    rows_per_chunk: int | None = Field(
+        None,
         ge=16,
-        le=65_536,
-        description="Token rows per Zarr chunk (C). Work chunks are padded to multiples of C, so "
-        "no two writers touch one storage object.",
+        le=1_048_576,
+        description="Token rows per Zarr chunk (C). None = sized so one hidden-state object is "
+        "about target_object_mib (per-object costs dominate small objects: measured here). Work "
+        "chunks are padded to multiples of C, so no two writers touch one storage object.",
+    )
+    target_object_mib: float = Field(
+        16.0, gt=0, le=1024, description="Aimed size of one hidden-state storage object (MiB)."
     )
     work_chunk_tokens: int | None = Field(
         None,

@@ -64,7 +64,7 @@ def make_settings(model: Path, dataset: Path, store: str, **sections: dict[str, 
         "kv_cache_memory_gib": 0.25,
         **sections.pop("engine", {}),
     }
-    layout = {"min_work_chunk_tokens": 1024, **sections.pop("layout", {})}
+    layout = {"min_work_chunk_tokens": 1024, "rows_per_chunk": 256, **sections.pop("layout", {})}
     run = {"retry_delay_seconds": 0.0, **sections.pop("run", {})}
     return HsxSettings(
         model=model, dataset=dataset, store=store, engine=engine, layout=layout, run=run, **sections

@@ -82,9 +82,7 @@ def test_flow_end_to_end_then_nothing_twice(
     verify = [sys.executable, "-m", "flows.cli", "verify", url]
     ok = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    victim = next(
-        p for p in sorted((tmp_path / "flow.zarr" / "loss_mask").rglob("*")) if p.is_file()
-    )
+    victim = sorted((tmp_path / "flow.zarr" / "loss_mask").glob("c.*"))[0]
     victim.write_bytes(bytes([victim.read_bytes()[0] ^ 1]) + victim.read_bytes()[1:])
     bad = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert bad.returncode == 1 and "Stored:" in bad.stdout, bad.stdout + bad.stderr
@@ -114,15 +112,10 @@ def test_failed_chunk_retries_alone_and_resumes(
     plan = plan_and_create_store(settings)
     store = ExtractionStore.open(url)
     chunk = store.work_chunks[1]
-    blocker = (
-        tmp_path
-        / "fault.zarr"
-        / "hidden_states"
-        / "c"
-        / str(chunk.row_start // store.meta["rows_per_chunk"])
-    )
-    blocker.parent.mkdir(parents=True, exist_ok=True)
-    blocker.write_text("not a directory")
+    # A directory where chunk 1's first hidden-state object must go: every write of it fails.
+    first_object = chunk.row_start // store.rows_per_chunk
+    blocker = tmp_path / "fault.zarr" / "hidden_states" / f"c.{first_object}.0.0"
+    blocker.mkdir(parents=True)
 
     with pytest.raises(ExtractionIncompleteError, match=r"1 failed \(chunks \[1\]\)"):
         extract_flow(settings)

@@ -11,16 +11,21 @@ import pytest
 import torch
 
 from hsx.checksums import digest
-from hsx.dataset import TokenizedSample
 from hsx.errors import StoreError
-from hsx.extract import ChunkWriter, RunContext, extract_chunk
+from hsx.extract import ChunkWriter, RunContext, chunk_samples, extract_chunk
 from hsx.plan import Plan, auto_work_chunk_tokens, cut_chunks
 from hsx.reader import HiddenStatesReader
 from hsx.store import ExtractionStore
+from hsx.token_spool import TokenSpool
 from hsx.verify import verify_store
 
 pytestmark = pytest.mark.timeout(120)
 K, H = 3, 32
+
+
+def sample_tokens(index: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = (np.arange(length, dtype=np.int32) + 100 * index) % 997
+    return ids, (np.arange(length) % 2).astype(np.uint8)
 
 
 def make_plan(lengths: list[int], c: int = 16, work: int = 64, tag: str = "a") -> Plan:
@@ -29,7 +34,10 @@ def make_plan(lengths: list[int], c: int = 16, work: int = 64, tag: str = "a") -
         arr, np.arange(len(arr)) * 10, np.arange(len(arr)) + 1, c, work
     )
     inputs = {"tag": tag, "rows_per_chunk": c, "work_chunk_tokens": work}
-    return Plan(inputs, arr, starts, chunks, rows, c)
+    spool = TokenSpool()
+    for index, length in enumerate(lengths):
+        spool.append(*sample_tokens(index, length))
+    return Plan(inputs, arr, starts, chunks, rows, c, tokens=spool)
 
 
 def meta(dtype: str = "float32") -> dict[str, object]:
@@ -50,16 +58,6 @@ class StatesEngine:
             base = torch.as_tensor(p, dtype=torch.float32)[:, None, None]
             out.append(base + torch.arange(K * H, dtype=torch.float32).reshape(1, K, H) / 7.0)
         return out
-
-
-def samples_for(plan: Plan, index: int) -> list[TokenizedSample]:
-    chunk = plan.chunks[index]
-    result = []
-    for i in range(chunk.sample_start, chunk.sample_end):
-        n = int(plan.sample_lengths[i])
-        ids = (np.arange(n, dtype=np.int32) + 100 * i) % 997
-        result.append(TokenizedSample(ids, (np.arange(n) % 2).astype(np.uint8), False))
-    return result
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -100,11 +98,16 @@ def test_write_commit_verify_read_roundtrip(store_url: str) -> None:
     store = ExtractionStore.open_or_create(store_url, plan, meta())
     engine = StatesEngine()
     for chunk in plan.chunks:
-        extract_chunk(store, chunk, engine, samples_for(plan, chunk.index), 40, RunContext("run-1"))
+        extract_chunk(store, chunk, engine, 40, RunContext("run-1"))
     report = verify_store(ExtractionStore.open(store_url))
     assert report.ok, report.summary()
     reader = HiddenStatesReader(store_url)
     assert len(reader) == 7
+    for index, length in enumerate([5, 30, 17, 64, 100, 3, 3]):
+        ids, mask = sample_tokens(index, length)
+        stored = reader.sample(index)
+        assert np.array_equal(stored.input_ids.numpy(), ids)
+        assert np.array_equal(stored.loss_mask.numpy(), mask.astype(bool))
     s = reader.sample(3)
     assert s.hidden_states.shape == (64, K, H)
     expected = engine.extract([s.input_ids.numpy()])[0]
@@ -121,7 +124,7 @@ def test_bfloat16_is_stored_as_uint16_bit_exact(store_url: str) -> None:
     assert store.array("hidden_states").dtype == np.uint16
     assert store.array("hidden_states").attrs["logical_dtype"] == "bfloat16"
     engine = StatesEngine()
-    extract_chunk(store, plan.chunks[0], engine, samples_for(plan, 0), 100, RunContext("r"))
+    extract_chunk(store, plan.chunks[0], engine, 100, RunContext("r"))
     sample = HiddenStatesReader(store_url).sample(1)
     expected = engine.extract([sample.input_ids.numpy()])[0].to(torch.bfloat16)
     assert sample.hidden_states.dtype == torch.bfloat16 and torch.equal(
@@ -133,10 +136,10 @@ def test_uncommitted_chunk_is_invisible_and_reported(store_url: str) -> None:
     plan = make_plan([30, 30, 30, 30], work=32)
     store = ExtractionStore.open_or_create(store_url, plan, meta())
     writer = ChunkWriter(store, plan.chunks[1])
-    s = samples_for(plan, 1)
+    s, _ = chunk_samples(store, plan.chunks[1])
     writer.append(s, StatesEngine().extract([x.input_ids for x in s]))
     writer.finish()  # rows written, but no commit record: the chunk does not exist
-    extract_chunk(store, plan.chunks[0], StatesEngine(), samples_for(plan, 0), 100, RunContext("r"))
+    extract_chunk(store, plan.chunks[0], StatesEngine(), 100, RunContext("r"))
     reader = HiddenStatesReader(store_url)
     assert list(reader.available_samples) == [0]
     with pytest.raises(StoreError, match="not committed"):
@@ -151,9 +154,7 @@ def test_flipped_byte_is_detected(tmp_path: Path) -> None:
     plan = make_plan([40, 40], work=48)
     store = ExtractionStore.open_or_create(url, plan, meta())
     for chunk in plan.chunks:
-        extract_chunk(
-            store, chunk, StatesEngine(), samples_for(plan, chunk.index), 100, RunContext("r")
-        )
+        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
     files = sorted((tmp_path / "store" / "hidden_states").glob("c.*"))
     data = bytearray(files[-1].read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -184,9 +185,11 @@ def test_unknown_scheme_names_the_url() -> None:
 def test_planned_token_count_mismatch_is_fatal(store_url: str) -> None:
     plan = make_plan([10, 10])
     store = ExtractionStore.open_or_create(store_url, plan, meta())
-    short = samples_for(plan, 0)[:1]
+    samples, _ = chunk_samples(store, plan.chunks[0])
+    writer = ChunkWriter(store, plan.chunks[0])
+    writer.append(samples[:1], StatesEngine().extract([samples[0].input_ids]))
     with pytest.raises(StoreError, match="expected 20 tokens as planned, found 10"):
-        extract_chunk(store, plan.chunks[0], StatesEngine(), short, 100, RunContext("r"))
+        writer.finish()
     assert store.committed_chunks() == {}
 
 
@@ -198,7 +201,6 @@ def test_commit_record_carries_audit_fields(tmp_path: Path) -> None:
         store,
         plan.chunks[0],
         StatesEngine(),
-        samples_for(plan, 0),
         100,
         RunContext("run-x", attempt=2, code_version="v"),
     )

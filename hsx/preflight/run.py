@@ -1,0 +1,197 @@
+"""Running every preflight check for one model folder, in seconds, before the long load.
+
+Each check passes, warns or fails with one line; an exception inside a check becomes that
+check's FAIL with ``repr(exc)`` (a preflight never dies with an empty message).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from hsx.layers import convert_layer_ids, default_layer_ids
+from hsx.plan import read_config, text_config
+from hsx.preflight.report import CheckResult, PreflightReport, Status
+from settings import CaptureSettings, EngineSettings
+
+logger = logging.getLogger(__name__)
+
+# Fields of vLLM's scheduler output that hsx's connector reads: a rename in a vLLM upgrade must
+# fail here, in seconds, not in the first engine step after the load.
+CONNECTOR_FIELDS = {
+    "vllm.v1.core.sched.output.NewRequestData": (
+        "req_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "block_ids",
+        "num_computed_tokens",
+    ),
+    "vllm.v1.core.sched.output.CachedRequestData": (
+        "req_ids",
+        "resumed_req_ids",
+        "new_block_ids",
+        "num_computed_tokens",
+    ),
+    "vllm.v1.core.sched.output.SchedulerOutput": (
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "num_scheduled_tokens",
+    ),
+}
+
+
+def _guarded(check: str, run: Callable[[], CheckResult]) -> CheckResult:
+    try:
+        return run()
+    except Exception as exc:
+        logger.error("preflight check %s raised %r", check, exc, exc_info=True)
+        return CheckResult(check, Status.FAIL, f"check raised {exc!r}")
+
+
+def capture_layer_ids(capture: CaptureSettings, num_layers: int) -> tuple[int, ...]:
+    if capture.layer_ids is None:
+        return default_layer_ids(num_layers)
+    return tuple(sorted(convert_layer_ids(capture.layer_ids, capture.layer_convention)))
+
+
+def connector_field_problems() -> list[str]:
+    import importlib
+
+    problems = []
+    for dotted, names in CONNECTOR_FIELDS.items():
+        module, _, cls_name = dotted.rpartition(".")
+        cls = getattr(importlib.import_module(module), cls_name)
+        present = {f.name for f in fields(cls)}
+        missing = [name for name in names if name not in present]
+        if missing:
+            problems.append(
+                f"{dotted}: hsx's connector reads {missing}; found fields {sorted(present)}"
+            )
+    return problems
+
+
+def static_checks(
+    model_dir: Path,
+    capture: CaptureSettings,
+    engine: EngineSettings,
+    store_url: str | None = None,
+    dataset_tokens: int | None = None,
+) -> tuple[list[CheckResult], dict[str, Any]]:
+    """Every check that needs no engine. Returns (results, context for the probe)."""
+    from hsx.preflight.contract import capture_id_range, check_capture_contract, check_tokenizer
+    from hsx.preflight.resolve import check_resolution, resolve_architecture
+    from hsx.preflight.resources import check_resources
+    from hsx.preflight.signatures import check_signatures, default_call_sites
+    from hsx.preflight.weights import check_weights
+
+    results: list[CheckResult] = []
+    context: dict[str, Any] = {}
+    try:
+        config = read_config(model_dir)
+    except Exception as exc:
+        return [CheckResult("config", Status.FAIL, str(exc) or repr(exc))], context
+    text = text_config(config)
+    context.update(config=config, text=text)
+    resolution = _guarded("resolve", lambda: check_resolution(config))
+    results.append(resolution)
+    if resolution.status == Status.FAIL:
+        return results, context
+    resolved = resolve_architecture(config)
+    context["resolved"] = resolved
+    num_layers = int(text["num_hidden_layers"])
+
+    def contract() -> CheckResult:
+        ids = capture_layer_ids(capture, num_layers)
+        context["layer_ids"] = ids
+        context["lowest_layer_id"] = capture_id_range(resolved, num_layers).low
+        return check_capture_contract(resolved, config, ids)
+
+    results.append(_guarded("contract", contract))
+    results.append(_guarded("tokenizer", lambda: check_tokenizer(model_dir)))
+
+    def signatures() -> CheckResult:
+        from hsx.engine.connector import HsxHiddenStatesConnector
+
+        result = check_signatures(
+            resolved, default_call_sites(), kv_connector=HsxHiddenStatesConnector
+        )
+        extra = connector_field_problems()
+        if extra:
+            return CheckResult(
+                "signatures", Status.FAIL, extra[0], tuple(extra[1:]) + result.details
+            )
+        return result
+
+    results.append(_guarded("signatures", signatures))
+    results.append(_guarded("weights", lambda: check_weights(model_dir, config)))
+
+    def resources() -> CheckResult:
+        device_memory = None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                device_memory = int(torch.cuda.get_device_properties(0).total_memory)
+        except Exception:  # no CUDA runtime: memory unknown, said so by the check
+            device_memory = None
+        k = len(context.get("layer_ids", ())) or 4
+        bytes_per_token = k * int(text["hidden_size"]) * 2 + 5  # bf16 states + id + mask
+        return check_resources(
+            config,
+            engine.tensor_parallel_size,
+            device_memory,
+            bytes_per_token,
+            dataset_tokens,
+            store_url or "memory://",
+        )
+
+    results.append(_guarded("resources", resources))
+    return results, context
+
+
+def probe_check(context: dict[str, Any], engine: EngineSettings) -> CheckResult:
+    from hsx.preflight.probe import run_probe
+
+    if "layer_ids" not in context:
+        return CheckResult(
+            "probe", Status.FAIL, "not run: the model did not resolve or its layer ids are invalid"
+        )
+    return _guarded(
+        "probe",
+        lambda: run_probe(
+            context["config"],
+            context["text"],
+            context["layer_ids"],
+            context["lowest_layer_id"],
+            engine,
+        ),
+    )
+
+
+def run_preflight(
+    model_dir: Path,
+    capture: CaptureSettings | None = None,
+    engine: EngineSettings | None = None,
+    probe: bool = True,
+    store_url: str | None = None,
+    dataset_tokens: int | None = None,
+) -> PreflightReport:
+    capture = capture or CaptureSettings()
+    engine = engine or EngineSettings()
+    results, context = static_checks(model_dir, capture, engine, store_url, dataset_tokens)
+    if probe:
+        blocking = [
+            r
+            for r in results
+            if r.status == Status.FAIL and r.check in ("config", "resolve", "contract")
+        ]
+        if blocking:
+            results.append(
+                CheckResult("probe", Status.FAIL, f"not run: {blocking[0].check} failed")
+            )
+        else:
+            results.append(probe_check(context, engine))
+    return PreflightReport(str(model_dir), results)

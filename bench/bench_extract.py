@@ -36,9 +36,12 @@ def _settings(model: Path, dataset: Path, store: str, dtype: str):  # type: igno
     from settings import HsxSettings
 
     return HsxSettings(
-        model=model, dataset=dataset, store=store,
+        model=model,
+        dataset=dataset,
+        store=store,
         engine={"dtype": dtype, "max_model_len": 2048, "kv_cache_memory_gib": 0.5},
-        data={"max_length": 2048}, layout={"min_work_chunk_tokens": 4096},
+        data={"max_length": 2048},
+        layout={"min_work_chunk_tokens": 4096},
     )
 
 
@@ -58,14 +61,20 @@ def child_plain(model: Path, dataset: Path, dtype: str) -> dict[str, float]:
     kwargs.pop("speculative_config")
     kwargs.pop("kv_transfer_config")
     tokenizer = load_tokenizer(model)
-    samples = [tokenize_conversation(tokenizer, c.messages, 2048) for c in iter_conversations(dataset)]
+    samples = [
+        tokenize_conversation(tokenizer, c.messages, 2048) for c in iter_conversations(dataset)
+    ]
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=1)
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)  # warm-up
     started = time.perf_counter()
     tokens = 0
     for batch in batches(samples, settings.engine.batch_tokens):
-        llm.generate([TokensPrompt(prompt_token_ids=s.input_ids.tolist()) for s in batch], params, use_tqdm=False)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=s.input_ids.tolist()) for s in batch],
+            params,
+            use_tqdm=False,
+        )
         tokens += sum(s.num_tokens for s in batch)
     seconds = time.perf_counter() - started
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -88,15 +97,30 @@ def child_hsx(model: Path, dataset: Path, dtype: str, store: str) -> dict[str, f
     started = time.perf_counter()
     # As the flow runs them: CHUNKS_IN_FLIGHT chunks at once, without Prefect's per-task cost.
     with ThreadPoolExecutor(max_workers=CHUNKS_IN_FLIGHT) as pool:
-        records = list(pool.map(lambda index: extract_work_chunk(settings, index, RunContext("bench")), summary.pending))
+        records = list(
+            pool.map(
+                lambda index: extract_work_chunk(settings, index, RunContext("bench")),
+                summary.pending,
+            )
+        )
     tokens = sum(record.tokens for record in records if record)
     seconds = time.perf_counter() - started
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def run_child(kind: str, *args: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", kind, *args], capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", kind, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{kind} child failed ({out.returncode}):\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -114,7 +138,9 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path) -> dict[str, floa
     k, h, c = 4, 4096, 256  # a mid-size model's rows: 32 KiB per token in bf16
     tokens = total_bytes // (2 * k * h)
     lengths = np.full(tokens // 1024, 1024, dtype=np.int32)
-    chunks, starts, rows = cut_chunks(lengths, np.zeros(len(lengths), np.int64), np.ones(len(lengths), np.int64), c, 16384)
+    chunks, starts, rows = cut_chunks(
+        lengths, np.zeros(len(lengths), np.int64), np.ones(len(lengths), np.int64), c, 16384
+    )
     plan = Plan({"bench": True}, lengths, starts, chunks, rows, c)
     states = torch.randn(1024, k, h).to(torch.bfloat16)
     sample = TokenizedSample(np.arange(1024, dtype=np.int32), np.ones(1024, dtype=np.uint8), False)
@@ -140,7 +166,12 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path) -> dict[str, floa
 
     def hsx_pass() -> float:
         url = str(scratch / "w.zarr")
-        meta = {"num_layers_captured": k, "hidden_size": h, "logical_dtype": "bfloat16", "layer_ids": [1, 2, 3, 4]}
+        meta = {
+            "num_layers_captured": k,
+            "hidden_size": h,
+            "logical_dtype": "bfloat16",
+            "layer_ids": [1, 2, 3, 4],
+        }
         store = ExtractionStore.open_or_create(url, plan, meta)
         settle()
         started = time.perf_counter()
@@ -157,10 +188,17 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path) -> dict[str, floa
     for rep in range(repeats):  # alternate the order: neither side always goes first
         first, second = (raw_pass, hsx_pass) if rep % 2 == 0 else (hsx_pass, raw_pass)
         times = {first: first(), second: second()}
-        print(f"  write pass {rep}: raw {times[raw_pass]:.3f} s, hsx {times[hsx_pass]:.3f} s", flush=True)
+        print(
+            f"  write pass {rep}: raw {times[raw_pass]:.3f} s, hsx {times[hsx_pass]:.3f} s",
+            flush=True,
+        )
         best_raw, best_hsx = min(best_raw, times[raw_pass]), min(best_hsx, times[hsx_pass])
     nbytes = len(payload) * len(lengths)
-    return {"bytes": nbytes, "raw_gb_per_s": nbytes / best_raw / 1e9, "hsx_gb_per_s": nbytes / best_hsx / 1e9}
+    return {
+        "bytes": nbytes,
+        "raw_gb_per_s": nbytes / best_raw / 1e9,
+        "hsx_gb_per_s": nbytes / best_hsx / 1e9,
+    }
 
 
 def main() -> None:
@@ -174,7 +212,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         kind, model, dataset, dtype, *rest = args.child
-        result = child_plain(Path(model), Path(dataset), dtype) if kind == "plain" else child_hsx(Path(model), Path(dataset), dtype, rest[0])
+        result = (
+            child_plain(Path(model), Path(dataset), dtype)
+            if kind == "plain"
+            else child_hsx(Path(model), Path(dataset), dtype, rest[0])
+        )
         print(json.dumps(result))
         return
 
@@ -186,25 +228,37 @@ def main() -> None:
     try:
         small = ROOT / "data" / "sample_conversations.jsonl"
         large = write_jsonl(scratch / "x10.jsonl", 3000, seed=0)
-        print(f"model {model.name}, dtype {args.dtype}; datasets: bundled (300 conversations) and x10 (3000)")
+        print(
+            f"model {model.name}, dtype {args.dtype}; datasets: bundled (300 conversations) and x10 (3000)"
+        )
 
         plain, extract = [], []
         for rep in range(args.repeats):
             plain.append(run_child("plain", str(model), str(large), args.dtype))
-            extract.append(run_child("hsx", str(model), str(large), args.dtype, str(scratch / f"t{rep}.zarr")))
+            extract.append(
+                run_child("hsx", str(model), str(large), args.dtype, str(scratch / f"t{rep}.zarr"))
+            )
             shutil.rmtree(scratch / f"t{rep}.zarr", ignore_errors=True)
         best_plain = max(r["tokens_per_s"] for r in plain)
         best_hsx = max(r["tokens_per_s"] for r in extract)
-        print(f"[throughput] plain prefill {best_plain:,.0f} tok/s; hsx extraction {best_hsx:,.0f} tok/s "
-              f"({extract[0]['tokens']:,} tokens) -> ratio {best_hsx / best_plain:.3f} (target >= 0.9)")
+        print(
+            f"[throughput] plain prefill {best_plain:,.0f} tok/s; hsx extraction {best_hsx:,.0f} tok/s "
+            f"({extract[0]['tokens']:,} tokens) -> ratio {best_hsx / best_plain:.3f} (target >= 0.9)"
+        )
 
         write = bench_write(args.write_mib << 20, 4, scratch)
-        print(f"[store write] raw file {write['raw_gb_per_s']:.2f} GB/s; hsx Zarr+xxh3 {write['hsx_gb_per_s']:.2f} GB/s "
-              f"({write['bytes'] / 2**20:,.0f} MiB) -> ratio {write['hsx_gb_per_s'] / write['raw_gb_per_s']:.3f} (target >= 0.9)")
+        print(
+            f"[store write] raw file {write['raw_gb_per_s']:.2f} GB/s; hsx Zarr+xxh3 {write['hsx_gb_per_s']:.2f} GB/s "
+            f"({write['bytes'] / 2**20:,.0f} MiB) -> ratio {write['hsx_gb_per_s'] / write['raw_gb_per_s']:.3f} (target >= 0.9)"
+        )
 
-        mem_small = run_child("hsx", str(model), str(small), args.dtype, str(scratch / "m1.zarr"))["peak_rss_mib"]
+        mem_small = run_child("hsx", str(model), str(small), args.dtype, str(scratch / "m1.zarr"))[
+            "peak_rss_mib"
+        ]
         mem_large = max(r["peak_rss_mib"] for r in extract)
-        print(f"[memory] peak RSS bundled {mem_small:,.0f} MiB; x10 {mem_large:,.0f} MiB -> ratio {mem_large / mem_small:.3f} (target <= 1.10)")
+        print(
+            f"[memory] peak RSS bundled {mem_small:,.0f} MiB; x10 {mem_large:,.0f} MiB -> ratio {mem_large / mem_small:.3f} (target <= 1.10)"
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

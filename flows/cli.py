@@ -24,7 +24,7 @@ from rich.table import Table
 # Set before prefect or vllm are imported: they read these once.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "hsx")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -288,6 +288,65 @@ def info(
     console.print(table)
     for run in runs:
         console.print(f"run {run.get('run_id')}: {run.get('status')} ({run.get('code_version')})")
+
+
+@app.command()
+def preflight(
+    model_dir: Annotated[
+        Path, typer.Argument(help="Model folder (config.json; weights optional).")
+    ],
+    layer_ids: Annotated[
+        str | None, typer.Option(help="Comma-separated layer ids; default EAGLE-3's.")
+    ] = None,
+    layer_convention: Annotated[
+        str | None, typer.Option(help="'vllm' (default) or 'specforge'.")
+    ] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(help="GPUs per engine.")] = None,
+    store: Annotated[str | None, typer.Option(help="Store URL, for the free-space check.")] = None,
+    probe: Annotated[
+        bool, typer.Option("--probe/--no-probe", help="Run the reduced-model probe.")
+    ] = True,
+    rotary_custom_op: Annotated[
+        str | None, typer.Option(help="auto, on or off (MLA on CPU).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Checks that take seconds, before the long model load; exit 1 when any check fails."""
+    from pydantic import ValidationError
+
+    from hsx.preflight.run import run_preflight
+    from settings import CaptureSettings, EngineSettings
+
+    try:
+        capture = CaptureSettings(
+            **{
+                k: v
+                for k, v in {
+                    "layer_ids": _layer_ids(layer_ids),
+                    "layer_convention": layer_convention,
+                }.items()
+                if v is not None
+            }
+        )
+        engine = EngineSettings(
+            **{
+                k: v
+                for k, v in {
+                    "tensor_parallel_size": tensor_parallel_size,
+                    "mla_rotary_custom_op": rotary_custom_op,
+                }.items()
+                if v is not None
+            }
+        )
+    except ValidationError as exc:
+        _fail(f"invalid settings:\n{exc}")
+        return
+    report = run_preflight(model_dir, capture, engine, probe=probe, store_url=store)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        report.render_table(console)
+    raise typer.Exit(0 if report.ok else 1)
 
 
 @app.command("make-tiny-models")

@@ -112,7 +112,9 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         "chunks_not_started": not_started,
         "tokens_extracted_now": extracted_tokens,
         # Wall time of the extraction phase, the engine load of a first chunk included.
-        "extract_tokens_per_s": round(extracted_tokens / loop_seconds, 1) if extracted_tokens else 0.0,
+        "extract_tokens_per_s": round(extracted_tokens / loop_seconds, 1)
+        if extracted_tokens
+        else 0.0,
         "wall_seconds": round(wall, 2),
         "verification": verification["summary"],
         "verified": verification["ok"],

@@ -1,9 +1,75 @@
-"""Preflight tasks: placeholder until the preflight checks land (issue 3)."""
+"""Preflight tasks, the extraction flow's first steps: "signature validation" (every check that
+needs no engine, seconds) and "model-load probe" (the reduced model through the exact path).
+A failed check stops the flow before the long model load; the log names the check and why."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from hsx.errors import FatalError
+from hsx.preflight.report import CheckResult, PreflightReport, Status
+from hsx.preflight.run import probe_check, static_checks
 from settings import HsxSettings
+from tasks.common import logged_failures
+
+
+class PreflightFailedError(FatalError):
+    """A preflight check failed: the flow stops before loading the model."""
+
+
+def _report(settings: HsxSettings, results: list[CheckResult], key: str) -> PreflightReport:
+    report = PreflightReport(str(settings.model), results)
+    create_markdown_artifact(report.to_markdown(), key=key, description=report._headline())
+    return report
+
+
+def _raise_on_failure(report: PreflightReport, stage: str) -> None:
+    failed = [r for r in report.results if r.status == Status.FAIL]
+    if failed:
+        lines = "; ".join(f"{r.check}: {r.summary}" for r in failed)
+        raise PreflightFailedError(
+            f"{stage} failed before the model load ({len(failed)} check(s)): {lines}"
+        )
+
+
+@task(name="signature-validation", cache_policy=NO_CACHE, retries=0)
+def signature_validation_task(settings: HsxSettings) -> dict[str, Any]:
+    with logged_failures("signature validation") as logger:
+        results, _ = static_checks(
+            settings.model, settings.capture, settings.engine, settings.store
+        )
+        report = _report(settings, results, "hsx-preflight-static")
+        for result in results:
+            (logger.error if result.status == Status.FAIL else logger.info)(
+                "preflight %s: %s: %s", result.check, result.status.value.upper(), result.summary
+            )
+        _raise_on_failure(report, "signature validation")
+        return report.to_dict()
+
+
+@task(name="model-load-probe", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2.0)
+def model_load_probe_task(settings: HsxSettings) -> dict[str, Any]:
+    with logged_failures("model-load probe") as logger:
+        _, context = static_checks(
+            settings.model, settings.capture, settings.engine, settings.store
+        )
+        result = probe_check(context, settings.engine)
+        report = _report(settings, [result], "hsx-preflight-probe")
+        (logger.error if result.status == Status.FAIL else logger.info)(
+            "preflight probe: %s: %s %s",
+            result.status.value.upper(),
+            result.summary,
+            list(result.details),
+        )
+        _raise_on_failure(report, "model-load probe")
+        return report.to_dict()
 
 
 def preflight_tasks(settings: HsxSettings) -> None:
-    return None
+    """Run both in order; each raises PreflightFailedError (fatal, not retried) on a failure."""
+    signature_validation_task(settings)
+    model_load_probe_task(settings)

@@ -244,6 +244,13 @@ def get_engine(
         return built
 
 
+def engine_is_loaded(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> bool:
+    """True when this process already holds a live engine for these settings."""
+    with _ENGINES_LOCK:
+        cached = _ENGINES.get(engine_key(model_dir, engine, layer_ids))
+    return cached is not None and cached.alive
+
+
 def drop_engine(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> None:
     """Forget (and close) an engine that failed, so the retry rebuilds it."""
     with _ENGINES_LOCK:

@@ -149,7 +149,7 @@ def run_probe(
     """Build the reduced model, extract a small batch through hsx's path, check it."""
     from hsx.dataset import TokenizedSample  # noqa: F401  (import check: the path loads)
     from hsx.engine.hf_reference import hf_hidden_states
-    from hsx.engine.vllm_engine import close_all_engines
+    from hsx.engine.vllm_engine import drop_engine
     from hsx.extract import RunContext
     from hsx.pipeline import extract_work_chunk, plan_and_create_store
     from hsx.reader import HiddenStatesReader
@@ -199,7 +199,7 @@ def run_probe(
             for index in summary.pending:
                 extract_work_chunk(settings, index, RunContext("preflight-probe"))
         finally:
-            close_all_engines()  # the probe's engine never stays beside the real one
+            drop_engine(model_dir, probe_engine, mapped)  # never kept beside the real one
         reader = HiddenStatesReader(url)
         samples = [reader.sample(i) for i in range(reader.num_samples)]
         problems: list[str] = []

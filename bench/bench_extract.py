@@ -82,9 +82,9 @@ def child_plain(model: Path, dataset: Path, dtype: str) -> dict[str, float]:
 
 def child_hsx(model: Path, dataset: Path, dtype: str, store: str) -> dict[str, float]:
     """hsx's extraction of every work chunk (engine load and planning excluded, as for plain)."""
+    from hsx.engine.vllm_engine import get_engine
     from hsx.extract import RunContext
     from hsx.pipeline import extract_work_chunk, plan_and_create_store, run_spec
-    from hsx.engine.vllm_engine import get_engine
 
     settings = _settings(model, dataset, store, dtype)
     summary = plan_and_create_store(settings)

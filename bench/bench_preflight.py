@@ -35,19 +35,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     base_s, base_mib = min(
-        (timed([sys.executable, "-c", "import vllm; from vllm import LLM"])[:2] for _ in range(args.repeats)),
+        (
+            timed([sys.executable, "-c", "import vllm; from vllm import LLM"])[:2]
+            for _ in range(args.repeats)
+        ),
         key=lambda pair: pair[0],
     )
     runs = []
     for _ in range(args.repeats):
-        seconds, peak, result = timed([sys.executable, "-m", "flows.cli", "preflight", str(KIMI), "--json"])
+        seconds, peak, result = timed(
+            [sys.executable, "-m", "flows.cli", "preflight", str(KIMI), "--json"]
+        )
         report = json.loads(result.stdout)
         runs.append((seconds, peak, report))
     seconds, peak, report = min(runs, key=lambda run: run[0])
     statuses = {r["check"]: r["status"] for r in report["results"]}
     print(f"[baseline] import vllm: {base_s:.1f} s, peak RSS {base_mib:,.0f} MiB")
-    print(f"[preflight kimi-k2] {seconds:.1f} s (ratio to import {seconds / base_s:.2f}; target < 20 s), "
-          f"peak RSS {peak:,.0f} MiB (target < 4096 MiB); checks {statuses}")
+    print(
+        f"[preflight kimi-k2] {seconds:.1f} s (ratio to import {seconds / base_s:.2f}; target < 20 s), "
+        f"peak RSS {peak:,.0f} MiB (target < 4096 MiB); checks {statuses}"
+    )
 
 
 if __name__ == "__main__":

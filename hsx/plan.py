@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -163,12 +162,6 @@ def cut_chunks(
     if rows_in_chunk:
         close(len(lengths))
     return chunks, starts, row
-
-
-def iter_chunk_ranges(plan: Plan, pending: set[int] | None = None) -> Iterator[WorkChunk]:
-    for chunk in plan.chunks:
-        if pending is None or chunk.index in pending:
-            yield chunk
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

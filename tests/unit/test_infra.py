@@ -35,5 +35,7 @@ def test_flow_parameters_render_as_a_form() -> None:
     settings = schema["properties"]["settings"]
     assert "settings" in schema["required"]
     definitions = schema.get("definitions", {})
-    assert {"EngineSettings", "CaptureSettings", "StoreSettings"} <= set(definitions), sorted(definitions)
+    assert {"EngineSettings", "CaptureSettings", "StoreSettings"} <= set(definitions), sorted(
+        definitions
+    )
     assert settings

@@ -121,14 +121,11 @@ def train_tokenizer(target: Path) -> None:
     wrapped.save_pretrained(str(target))
 
 
-def _build_weights(config_dict: dict[str, Any], target: Path) -> None:
+def seeded_init(model: Any) -> Any:
+    """Norms 1, MoE score biases 0, everything else N(0, 0.05): a small std keeps activations in
+    a sane range over a few layers (the caller seeds torch first)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**config_dict)
-    torch.manual_seed(_SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Seeded normal init with a small std keeps activations in a sane range over 8 layers.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and param.dim() == 1:
@@ -137,6 +134,16 @@ def _build_weights(config_dict: dict[str, Any], target: Path) -> None:
                 param.zero_()
             else:
                 param.normal_(0.0, 0.05)
+    return model
+
+
+def _build_weights(config_dict: dict[str, Any], target: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**config_dict)
+    torch.manual_seed(_SEED)
+    model = seeded_init(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(target), safe_serialization=True)
 

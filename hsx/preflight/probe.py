@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from hsx.preflight.report import CheckResult, Status
+from hsx.tiny_models import seeded_init
 from settings import EngineSettings, HsxSettings
 
 logger = logging.getLogger(__name__)
@@ -125,15 +126,7 @@ def _write_weights(cfg: dict[str, Any], target: Path) -> Any:
     config = cls.config_class(**fields)
     config.architectures = list(cfg["architectures"])
     torch.manual_seed(0)
-    model = cls(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and param.dim() == 1:
-                param.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, 0.05)
+    model = seeded_init(cls(config).to(torch.float32).eval())
     model.save_pretrained(str(target), safe_serialization=True)
     return model
 

@@ -81,18 +81,19 @@ def build_settings(**fields: Any) -> Any:
 
 def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:
     table = Table(title="hsx extraction", show_header=False)
-    for key in (
-        "store",
-        "samples",
-        "tokens",
-        "chunks",
-        "chunks_extracted_now",
-        "tokens_extracted_now",
-        "extract_tokens_per_s",
-        "wall_seconds",
-        "verification",
-    ):
-        table.add_row(key.replace("_", " "), str(summary.get(key)))
+    labels = {
+        "store": "store",
+        "samples": "samples",
+        "tokens": "tokens",
+        "chunks": "work chunks",
+        "chunks_extracted_now": "chunks extracted by this run",
+        "tokens_extracted_now": "tokens extracted by this run",
+        "extract_tokens_per_s": "tokens/s (extraction phase, model load included)",
+        "wall_seconds": "wall seconds (preflight, plan, extraction, verify)",
+        "verification": "verification",
+    }
+    for key, label in labels.items():
+        table.add_row(label, str(summary.get(key)))
     if bytes_stored is not None:
         table.add_row("bytes stored", f"{bytes_stored:,} ({bytes_stored / 2**20:.1f} MiB)")
     console.print(table)

@@ -77,13 +77,18 @@ def _staging_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
 
 def _release_staging(buffer: np.ndarray) -> None:
     with _STAGING_LOCK:
-        _STAGING_POOL.setdefault((buffer.shape, buffer.dtype.str), []).append(buffer)
+        free = _STAGING_POOL.setdefault((buffer.shape, buffer.dtype.str), [])
+        if len(free) < _POOL_KEEP:  # beyond that, let it go: memory stays flat
+            free.append(buffer)
 
 
 # Storage objects are written by a few threads at once: per-object costs (open, rename, an
 # object store's request latency) overlap, and writes release the GIL.
 _IO_THREADS = 4
-_MAX_IN_FLIGHT = 8  # objects per writer: bounds memory to a few Zarr chunks
+# Bytes of objects a writer may have submitted but not yet written: bounds memory whatever the
+# object size (16 MiB objects: 4 in flight).
+_MAX_IN_FLIGHT_BYTES = 64 << 20
+_POOL_KEEP = 8  # free staging buffers kept per shape
 _IO_POOL = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="hsx-io")
 
 
@@ -111,6 +116,8 @@ class ChunkWriter:
         self._next_row = chunk.row_start
         self._written_tokens = 0
         self._in_flight: deque[Future[str]] = deque()
+        object_bytes = sum(buffer.nbytes for buffer in self._staging.values())
+        self._max_in_flight = max(2, _MAX_IN_FLIGHT_BYTES // max(object_bytes, 1))
 
     def append(self, samples: Sequence[TokenizedSample], states: Sequence[torch.Tensor]) -> None:
         for sample, rows in zip(samples, states, strict=True):
@@ -136,7 +143,7 @@ class ChunkWriter:
             self._staging[name] = _staging_buffer(staging.shape, staging.dtype)
         self._next_row += self.rows
         self._filled = 0
-        while len(self._in_flight) > _MAX_IN_FLIGHT:
+        while len(self._in_flight) > self._max_in_flight:
             self._in_flight.popleft().result()
 
     def _write(self, name: str, row_start: int, rows: np.ndarray) -> str:

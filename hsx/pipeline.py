@@ -16,9 +16,9 @@ from typing import Any
 
 from hsx.dataset import validate_dataset
 from hsx.engine.options import resolve_dtype
-from hsx.errors import ConfigError, EngineError
+from hsx.errors import ConfigError, EngineError, StoreError
 from hsx.extract import RunContext, extract_chunk
-from hsx.plan import read_config
+from hsx.plan import Plan, read_config
 from hsx.planning import (
     build_plan,
     code_version,
@@ -101,6 +101,25 @@ def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
         pending,
         plan.plan_hash,
     )
+
+
+def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
+    """Refuse a new local store that cannot fit: terabytes of output must not fail at 90%."""
+    from hsx.preflight.resources import free_bytes_at
+
+    free = free_bytes_at(url)
+    if free is None or Path(url.removeprefix("file://"), "zarr.json").exists():
+        return  # remote (unknown) or resuming an existing store
+    itemsize = 2 if meta["logical_dtype"] == "bfloat16" else 4
+    needed = plan.total_rows * (
+        int(meta["num_layers_captured"]) * int(meta["hidden_size"]) * itemsize + 5
+    )
+    folder, available = free
+    if needed > available:
+        raise StoreError(
+            f"store {url}: expected {needed / 2**30:,.2f} GiB free for {plan.total_rows:,} rows, "
+            f"found {available / 2**30:,.2f} GiB at {folder}"
+        )
 
 
 def extract_work_chunk(

@@ -128,6 +128,12 @@ def estimate_weight_bytes(config: Mapping[str, Any]) -> int:
     return int(estimate_param_count(config) * bytes_per_param(config))
 
 
+def free_bytes_at(store_url: str) -> tuple[Path, int] | None:
+    """(checked folder, free bytes) for a local store URL; None where it cannot be known."""
+    local = _local_path(store_url)
+    return _free_bytes(local) if local is not None else None
+
+
 def _local_path(store_url: str) -> Path | None:
     parsed = urlparse(store_url)
     if parsed.scheme in ("", "file") or len(parsed.scheme) == 1:  # len 1: a Windows drive letter

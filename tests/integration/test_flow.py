@@ -82,6 +82,18 @@ def test_flow_end_to_end_then_nothing_twice(
     verify = [sys.executable, "-m", "flows.cli", "verify", url]
     ok = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+    info = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "info", url, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    audit = json.loads(info.stdout)
+    assert len(audit["commits"]) == first["chunks"] and len(audit["runs"]) == 2
+    assert (
+        audit["meta"]["layer_ids"] == [2, 4, 5, 8] and audit["meta"]["layer_convention"] == "vllm"
+    )
     victim = sorted((tmp_path / "flow.zarr" / "loss_mask").glob("c.*"))[0]
     victim.write_bytes(bytes([victim.read_bytes()[0] ^ 1]) + victim.read_bytes()[1:])
     bad = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)

@@ -212,3 +212,14 @@ def test_commit_record_carries_audit_fields(tmp_path: Path) -> None:
     )
     ids = store.read_rows("input_ids", 0, 16)
     assert on_disk["checksums"]["input_ids"] == [digest(ids)] == record.checksums["input_ids"]
+
+
+def test_a_store_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from hsx.pipeline import check_free_space
+
+    plan = make_plan([10])
+    plan.total_rows = 10**13  # ~ 3.7 PB of hidden states at K=3, H=32, fp32
+    with pytest.raises(StoreError, match=r"expected .* GiB free .* found .* GiB"):
+        check_free_space(str(tmp_path / "huge.zarr"), plan, meta())
+    assert not (tmp_path / "huge.zarr").exists()
+    check_free_space(str(tmp_path / "small.zarr"), make_plan([10]), meta())  # fits: no error

@@ -114,12 +114,17 @@ def child_hsx(model: Path, dataset: Path, dtype: str, store: str) -> dict[str, f
 
 
 def run_child(kind: str, *args: str) -> dict[str, float]:
+    # Both sides run with the allocator hsx's CLI uses (tcmalloc where installed, as vLLM's CPU
+    # docs recommend), so the comparison is fair.
+    from flows.allocator import preload_env
+
     out = subprocess.run(
         [sys.executable, __file__, "--child", kind, *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=1800,
+        env=preload_env(dict(os.environ)),
     )
     if out.returncode != 0:
         raise RuntimeError(f"{kind} child failed ({out.returncode}):\n{out.stderr[-4000:]}")
@@ -141,7 +146,12 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path) -> dict[str, floa
     chunks, starts, rows = cut_chunks(
         lengths, np.zeros(len(lengths), np.int64), np.ones(len(lengths), np.int64), c, 16384
     )
-    plan = Plan({"bench": True}, lengths, starts, chunks, rows, c)
+    from hsx.token_spool import TokenSpool
+
+    spool = TokenSpool()
+    for _ in range(len(lengths)):
+        spool.append(np.arange(1024, dtype=np.int32), np.ones(1024, dtype=np.uint8))
+    plan = Plan({"bench": True}, lengths, starts, chunks, rows, c, tokens=spool)
     states = torch.randn(1024, k, h).to(torch.bfloat16)
     sample = TokenizedSample(np.arange(1024, dtype=np.int32), np.ones(1024, dtype=np.uint8), False)
     payload = states.view(torch.int16).numpy().tobytes()
@@ -228,8 +238,12 @@ def main() -> None:
     try:
         small = ROOT / "data" / "sample_conversations.jsonl"
         large = write_jsonl(scratch / "x10.jsonl", 3000, seed=0)
+        from flows.allocator import preload_env
+
+        allocator = preload_env(dict(os.environ)).get("LD_PRELOAD") or "glibc malloc"
         print(
-            f"model {model.name}, dtype {args.dtype}; datasets: bundled (300 conversations) and x10 (3000)"
+            f"model {model.name}, dtype {args.dtype}, allocator {allocator}; "
+            "datasets: bundled (300 conversations) and x10 (3000)"
         )
 
         plain, extract = [], []

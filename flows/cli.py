@@ -362,6 +362,9 @@ def make_tiny_models(
 
 
 def main() -> None:
+    from flows.allocator import reexec_with_tcmalloc
+
+    reexec_with_tcmalloc()  # before anything is allocated in earnest; a no-op without tcmalloc
     app()
 
 

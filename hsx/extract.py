@@ -90,6 +90,10 @@ _IO_THREADS = 4
 _MAX_IN_FLIGHT_BYTES = 64 << 20
 _POOL_KEEP = 8  # free staging buffers kept per shape
 _IO_POOL = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="hsx-io")
+# Long-lived threads that copy engine results into staging buffers (one batch per chunk at a
+# time). Not a pool per chunk: every new thread gets glibc heap state of its own, and RSS
+# measured growing with the number of chunks when each chunk made one.
+_APPEND_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-writer")
 
 
 class ChunkWriter:
@@ -241,15 +245,16 @@ def extract_chunk(
     started = time.perf_counter()
     samples, read_digests = chunk_samples(store, chunk)
     writer = ChunkWriter(store, chunk)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-writer") as pool:
-        pending: Future[None] | None = None
+    pending: Future[None] | None = None
+    try:
         for batch in batches(samples, batch_tokens):
             states = engine.extract([sample.input_ids for sample in batch])
             if pending is not None:
                 pending.result()  # keeps rows in order and at most one batch waiting
-            pending = pool.submit(writer.append, batch, states)
+            pending = _APPEND_POOL.submit(writer.append, batch, states)
             if progress is not None:
                 progress(sum(sample.num_tokens for sample in batch))
+    finally:
         if pending is not None:
             pending.result()
     checksums = {**read_digests, **writer.finish()}

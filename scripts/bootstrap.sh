@@ -37,6 +37,13 @@ if [[ "$HSX_ENGINE" == cpu ]]; then
 else
   "$venv/bin/pip" install -q -e ".[gpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
 fi
+# tcmalloc: glibc's malloc fragments under hsx's allocation pattern (flows/allocator.py); the
+# CLI preloads tcmalloc when present. Best effort: only where apt works without a prompt.
+if [[ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 && "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
+    || echo "[bootstrap] libtcmalloc-minimal4 not installed (optional): hsx runs on glibc malloc"
+fi
 "$venv/bin/python" -c "import vllm, prefect, zarr, hsx; from vllm import LLM" 2>/dev/null \
   || { echo "[bootstrap] the environment does not import (vllm/prefect/zarr/hsx); see the pip output above" >&2; exit 1; }
 echo "$stamp" > "$venv/.hsx-stamp"

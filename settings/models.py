@@ -61,11 +61,12 @@ class EngineSettings(BaseModel):
     )
     seed: int = Field(0, ge=0, description="Engine seed.")
     batch_tokens: int = Field(
-        16384,
+        4096,
         ge=16,
         le=16_777_216,
-        description="Prompt tokens sent to the engine per generate() call; bounds host memory "
-        "(hidden states of one batch are held before they are written).",
+        description="Prompt tokens per batch a chunk queues at the engine (up to three batches "
+        "queued per chunk). Bounds host memory: a batch's hidden states are held until written. "
+        "Raise it on GPUs (e.g. 65536).",
     )
 
 

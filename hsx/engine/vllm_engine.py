@@ -91,8 +91,8 @@ class VllmHiddenStateEngine:
     def alive(self) -> bool:
         return not self._closed and self._failure is None and self._driver.is_alive()
 
-    def extract(self, prompts: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """Hidden states of each prompt (token ids ``[tokens]``), each ``[tokens, K, H]``."""
+    def submit(self, prompts: Sequence[np.ndarray]) -> list[Future[torch.Tensor]]:
+        """Queue prompts (token ids ``[tokens]``); each future gives ``[tokens, K, H]``."""
         if not self.alive:
             raise EngineError(
                 f"engine for {self.model_dir} is not alive ({self._failure!r}); a retry builds a new one"
@@ -103,7 +103,11 @@ class VllmHiddenStateEngine:
             future: Future[torch.Tensor] = Future()
             self._inbox.put((f"{batch}-{i}", prompt, future))
             futures.append(future)
-        return [future.result() for future in futures]
+        return futures
+
+    def extract(self, prompts: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Hidden states of each prompt, each ``[tokens, K, H]`` (submit and wait)."""
+        return [future.result() for future in self.submit(prompts)]
 
     def _drive(self, kwargs: dict[str, Any]) -> None:
         from vllm import LLM, SamplingParams
@@ -130,12 +134,13 @@ class VllmHiddenStateEngine:
                         self._shutdown()
                         return
                     key, prompt, future = item
+                    # One sampled token ends the request; its text is never needed.
                     params = SamplingParams(
-                        max_tokens=1, extra_args={"kv_transfer_params": {REQUEST_KEY: key}}
+                        max_tokens=1,
+                        detokenize=False,
+                        extra_args={"kv_transfer_params": {REQUEST_KEY: key}},
                     )
-                    engine.add_request(
-                        key, TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), params
-                    )
+                    engine.add_request(key, TokensPrompt(prompt_token_ids=prompt.tolist()), params)
                     self._waiting[key] = (len(prompt), future)
                     block = False
                 for output in engine.step():

@@ -1,0 +1,101 @@
+"""SIGKILL of a whole extraction mid-write, then resume: nothing half-written is taken as done."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hsx.reader import HiddenStatesReader
+from hsx.store import ExtractionStore
+from hsx.verify import verify_store
+from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def extract_command(model: Path, dataset: Path, store: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "extract",
+        "--model",
+        str(model),
+        "--dataset",
+        str(dataset),
+        "--store",
+        str(store),
+        "--dtype",
+        "float32",
+        "--rows-per-chunk",
+        "64",
+        "--work-chunk-tokens",
+        "256",
+        "--kv-cache-gib",
+        "0.25",
+        "--max-model-len",
+        "2048",
+        "--no-preflight",
+    ]
+
+
+def test_sigkill_mid_run_then_resume(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "killed.zarr"
+    commits = store / "commits"
+    process = subprocess.Popen(
+        extract_command(tiny_llama, sample_dataset, store),
+        cwd=REPO_ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and process.poll() is None:
+            if commits.is_dir() and any(p.name.endswith(".json") for p in commits.iterdir()):
+                break
+            time.sleep(0.02)
+        assert process.poll() is None, "the run ended before it could be killed"
+        os.killpg(process.pid, signal.SIGKILL)  # the whole run: CLI, Prefect's temporary server
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+    opened = ExtractionStore.open(str(store))
+    planned = len(opened.work_chunks)
+    done = opened.committed_chunks()
+    assert 0 < len(done) < planned
+    report = verify_store(opened)
+    assert not report.ok and report.problems == [] and report.chunks_verified == len(done)
+    reader = HiddenStatesReader(str(store))
+    visible = set(reader.available_samples.tolist())
+    assert visible == {i for c in done.values() for i in range(c.sample_start, c.sample_end)}
+
+    resumed = subprocess.run(
+        extract_command(tiny_llama, sample_dataset, store),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    final = ExtractionStore.open(str(store))
+    records = final.committed_chunks()
+    assert sorted(records) == list(range(planned)) and verify_store(final).ok
+    for index, record in done.items():  # chunks committed before the kill were not redone
+        assert (
+            records[index].run_id == record.run_id
+            and records[index].finished_at == record.finished_at
+        )
+    runs = [json.loads(p.read_text()) for p in (store / "runs").glob("*.json")]
+    assert {r["status"] for r in runs} == {"running", "completed"}  # the killed run never finished

@@ -126,31 +126,26 @@ def _parse_line(raw: bytes, path: Path, line_number: int, index: int) -> Convers
     return Conversation(index, line_number, sample_id, tuple(messages))
 
 
-def iter_conversations(
-    path: Path, start: tuple[int, int, int] | None = None
-) -> Iterator[Conversation]:
+def iter_conversations(path: Path) -> Iterator[Conversation]:
     """Stream the conversations of a JSONL file, one line at a time; blank lines are skipped.
+    Each carries its line's byte offset (recorded in the plan, for audits).
 
-    ``start`` = (byte_offset, line_number, sample_index) of a conversation seen before (a work
-    chunk's first sample): reading resumes there without re-reading the file's head.
     Raises ``DatasetError`` at the first bad line, for a missing file, or for a file without any
     conversation.
     """
     if not path.is_file():
         found = "a directory" if path.is_dir() else "nothing"
         raise DatasetError(f"{path}: expected a JSONL dataset file, found {found} at that path")
-    offset, first_line, index = start if start is not None else (0, 1, 0)
-    first_index = index
+    offset = index = 0
     # Binary lines, decoded one by one: a bad UTF-8 byte is then reported with its line number.
     with path.open("rb") as lines:
-        lines.seek(offset)
-        for line_number, raw in enumerate(lines, start=first_line):
+        for line_number, raw in enumerate(lines, start=1):
             if raw.strip():
                 parsed = _parse_line(raw, path, line_number, index)
                 yield dataclasses.replace(parsed, byte_offset=offset)
                 index += 1
             offset += len(raw)
-    if index == first_index == 0:
+    if index == 0:
         raise DatasetError(
             f"{path}: expected at least one conversation, found an empty file (or only blank lines)"
         )

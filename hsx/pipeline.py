@@ -76,19 +76,25 @@ class PlanSummary:
 
 def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
     """Validate the dataset, plan, and open or create the store at its final size."""
-    count = validate_inputs(settings)  # the first bad line fails the run before any load
+    # Planning reads every line: the first bad one fails the run here, before any load and before
+    # anything is written (the CLI also validates before Prefect starts).
     spec = run_spec(settings)
+    check_store_url(settings.store)
     tokenizer = _tokenizer(str(settings.model))
     plan = build_plan(settings, tokenizer, spec.config, spec.layer_ids, spec.stored_dtype)
     meta = store_metadata(
         settings, spec.config, spec.layer_ids, spec.engine_dtype, spec.stored_dtype
     )
-    store = ExtractionStore.open_or_create(settings.store, plan, meta)
+    try:
+        check_free_space(settings.store, plan, meta)
+        store = ExtractionStore.open_or_create(settings.store, plan, meta)
+    finally:
+        plan.close()  # the token spool is in the store now (or the run failed): delete it
     pending = [chunk.index for chunk in store.pending_chunks()]
     logger.info(
         "dataset %s: %d conversations; store %s: %d of %d work chunks pending",
         settings.dataset,
-        count,
+        plan.num_samples,
         settings.store,
         len(pending),
         len(plan.chunks),

@@ -10,11 +10,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from hsx.engine.vllm_engine import engine_is_loaded
 from hsx.errors import FatalError
 from hsx.preflight.report import CheckResult, PreflightReport, Status
 from hsx.preflight.run import probe_check, static_checks
 from settings import HsxSettings
-from tasks.common import logged_failures
+from tasks.common import logged_failures, retry_unless_fatal
 
 
 class PreflightFailedError(FatalError):
@@ -51,13 +52,27 @@ def signature_validation_task(settings: HsxSettings) -> dict[str, Any]:
         return report.to_dict()
 
 
-@task(name="model-load-probe", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2.0)
+@task(
+    name="model-load-probe",
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_delay_seconds=2.0,
+    retry_condition_fn=retry_unless_fatal,  # a failed check is fatal; an engine crash is not
+)
 def model_load_probe_task(settings: HsxSettings) -> dict[str, Any]:
     with logged_failures("model-load probe") as logger:
         _, context = static_checks(
             settings.model, settings.capture, settings.engine, settings.store
         )
-        result = probe_check(context, settings.engine)
+        layer_ids = context.get("layer_ids", ())
+        if layer_ids and engine_is_loaded(settings.model, settings.engine, layer_ids):
+            # The real engine already runs in this process (a re-run): probing would evict it
+            # and cost a second model load.
+            result = CheckResult(
+                "probe", Status.PASS, "skipped: the real engine is loaded and alive in this process"
+            )
+        else:
+            result = probe_check(context, settings.engine)
         report = _report(settings, [result], "hsx-preflight-probe")
         (logger.error if result.status == Status.FAIL else logger.info)(
             "preflight probe: %s: %s %s",

@@ -76,6 +76,13 @@ def test_flow_end_to_end_then_nothing_twice(
         and second["tokens_extracted_now"] == 0
     )
     assert store.committed_chunks() == commits  # same records: nothing was extracted again
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        latest = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+    # The engine of the first run is alive in this process: the probe does not evict it.
+    assert any("skipped: the real engine is loaded" in m for m in flow_logs(latest.id))
     assert len(list(store.run_records())) == 2
 
     # hsx verify: exit 0 on this store; 1 once a stored byte flips.

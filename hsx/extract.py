@@ -27,6 +27,7 @@ import torch
 from hsx.checksums import ALGORITHM, digest
 from hsx.dataset import TokenizedSample
 from hsx.errors import StoreError
+from hsx.local_io import aligned_empty
 from hsx.plan import WorkChunk
 from hsx.store import CommitRecord, ExtractionStore
 
@@ -90,7 +91,9 @@ def _staging_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         free = _STAGING_POOL.get((shape, dtype.str))
         if free:
             return free.pop()
-    return np.zeros(shape, dtype=dtype)
+    buffer = aligned_empty(shape, dtype)  # aligned: objects can be written with O_DIRECT
+    buffer.fill(0)  # touch every page now, not in the engine's time
+    return buffer
 
 
 def _release_staging(buffer: np.ndarray) -> None:

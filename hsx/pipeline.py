@@ -132,7 +132,7 @@ def extract_work_chunk(
     settings: HsxSettings, chunk_index: int, context: RunContext
 ) -> CommitRecord | None:
     """Extract one work chunk unless it is already committed (then returns None)."""
-    store = ExtractionStore.open(settings.store, mode="r+")
+    store = ExtractionStore.open(settings.store, mode="r+", direct_io=settings.layout.direct_io)
     chunk = next((c for c in store.work_chunks if c.index == chunk_index), None)
     if chunk is None:
         raise ConfigError(

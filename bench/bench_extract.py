@@ -104,7 +104,7 @@ def child_hsx(model: Path, dataset: Path, dtype: str, store: str) -> dict[str, f
     engine.extract([__import__("numpy").asarray([1, 2, 3])])  # warm-up, as for plain
     from concurrent.futures import ThreadPoolExecutor
 
-    from flows.extract import CHUNKS_IN_FLIGHT
+    from hsx.extract import CHUNKS_IN_FLIGHT
 
     started, cpu_started = time.perf_counter(), _cpu_seconds()
     # As the flow runs them: CHUNKS_IN_FLIGHT chunks at once, without Prefect's per-task cost.

@@ -19,6 +19,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from hsx.extract import CHUNKS_IN_FLIGHT
 from hsx.pipeline import record_run
 from settings import HsxSettings
 from tasks.common import backoff
@@ -30,7 +31,6 @@ from tasks.verify import verify_task
 # Stop early when this many chunks in a row failed after their retries: the cause is shared
 # (engine, storage), and each further attempt could cost a model load.
 MAX_CONSECUTIVE_FAILURES = 3
-CHUNKS_IN_FLIGHT = 2
 
 
 class ExtractionIncompleteError(RuntimeError):
@@ -62,8 +62,8 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
     queue = deque(pending)
     done = 0
     loop_started = time.perf_counter()
-    # Two chunk tasks in flight: while one chunk's last objects are written and committed, the
-    # next one tokenizes and keeps the engine busy (its lock runs one batch at a time).
+    # CHUNKS_IN_FLIGHT chunk tasks at once: two queue batches at the engine while a third writes
+    # and commits (hsx.extract.FEEDING_CHUNKS), so the engine never waits for a commit.
     while queue or in_flight:
         while (
             queue and len(in_flight) < CHUNKS_IN_FLIGHT and consecutive < MAX_CONSECUTIVE_FAILURES

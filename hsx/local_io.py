@@ -81,10 +81,11 @@ def _write_all(fd: int, payload: memoryview) -> None:
 
 def write_local_atomic(
     path: str, payload: memoryview, durable: bool = False, direct: bool = False
-) -> None:
+) -> bool:
     """Write ``payload`` to ``path`` under a temporary name, then rename it into place: a reader
     never sees a partial object. ``durable`` fsyncs before the rename (commit records);
-    ``direct`` uses O_DIRECT where the payload and the file system allow it."""
+    ``direct`` uses O_DIRECT where the payload and the file system allow it. Returns True when
+    the object was written with O_DIRECT."""
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         os.makedirs(directory, exist_ok=True)
@@ -92,6 +93,7 @@ def write_local_atomic(
     payload = payload.cast("B")
     try:
         fd = _open_direct(temp) if direct and is_direct_aligned(payload) else None
+        used_direct = fd is not None
         if fd is None:
             fd = os.open(temp, _CREATE_FLAGS, 0o644)
         try:
@@ -104,3 +106,4 @@ def write_local_atomic(
     finally:
         if os.path.exists(temp):
             os.unlink(temp)
+    return used_direct

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hsx.checksums import ALGORITHM, digest
+from hsx.errors import StoreError
 from hsx.store import ROW_ARRAYS, ExtractionStore
 
 
@@ -86,7 +87,12 @@ def verify_store(
                 )
                 continue
             for position, row in enumerate(range(chunk.row_start, chunk.row_end, step)):
-                rows = store.read_rows(name, row, row + step)  # one storage object at a time
+                try:
+                    rows = store.read_rows(name, row, row + step)  # one storage object at a time
+                except StoreError as exc:  # a missing or truncated object
+                    bad = True
+                    report.problems.append(ChunkProblem(chunk.index, str(exc)))
+                    continue
                 report.bytes_read += rows.nbytes
                 computed = digest(rows)
                 if computed != stored[position]:

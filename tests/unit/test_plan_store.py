@@ -223,3 +223,65 @@ def test_a_store_that_cannot_fit_is_refused_before_anything_is_written(tmp_path:
         check_free_space(str(tmp_path / "huge.zarr"), plan, meta())
     assert not (tmp_path / "huge.zarr").exists()
     check_free_space(str(tmp_path / "small.zarr"), make_plan([10]), meta())  # fits: no error
+
+
+def test_missing_or_truncated_object_is_named_by_verify_not_read_as_zeros(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    plan = make_plan([40, 40], work=48)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    for chunk in plan.chunks:
+        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    objects = sorted((tmp_path / "store" / "hidden_states").glob("c.*"))
+    objects[0].unlink()
+    objects[-1].write_bytes(objects[-1].read_bytes()[:100])
+    report = verify_store(ExtractionStore.open(url))
+    messages = [problem.message for problem in report.problems]
+    assert not report.ok and report.chunks_verified == 0, messages
+    assert any("expected storage object" in m and objects[0].name in m for m in messages)
+    assert any(f"expected {16 * K * H * 4} bytes" in m and "found 100" in m for m in messages)
+    with pytest.raises(StoreError, match="found none"):
+        ExtractionStore.open(url).read_rows("hidden_states", 0, 16)
+
+
+def test_direct_io_store_round_trips_exact_bytes(tmp_path: Path) -> None:
+    # K*H*4 bytes a row, 16 rows an object: 16 KiB objects, aligned for O_DIRECT.
+    url = str(tmp_path / "store")
+    plan = make_plan([40, 7, 60], work=48)
+    direct_meta = {**meta(), "num_layers_captured": 4, "hidden_size": 64, "layer_ids": [1, 2, 3, 4]}
+    ExtractionStore.open_or_create(url, plan, direct_meta)
+    store = ExtractionStore.open(url, mode="r+", direct_io=True)
+
+    class WideEngine:
+        def extract(self, prompts: list[np.ndarray]) -> list[torch.Tensor]:
+            return [
+                torch.as_tensor(p, dtype=torch.float32)[:, None, None]
+                + torch.arange(4 * 64, dtype=torch.float32).reshape(1, 4, 64)
+                for p in prompts
+            ]
+
+    for chunk in plan.chunks:
+        extract_chunk(store, chunk, WideEngine(), 32, RunContext("r"))
+    assert verify_store(ExtractionStore.open(url)).ok
+    reader = HiddenStatesReader(url)
+    for index in range(3):
+        sample = reader.sample(index)
+        assert torch.equal(
+            sample.hidden_states, WideEngine().extract([sample.input_ids.numpy()])[0]
+        )
+
+
+def test_store_cache_reopens_a_store_recreated_under_the_same_url(tmp_path: Path) -> None:
+    import shutil
+
+    from hsx.pipeline import open_for_extraction
+
+    url = str(tmp_path / "store")
+    first = ExtractionStore.open_or_create(url, make_plan([10, 10], tag="a"), meta())
+    assert open_for_extraction(url, False) is open_for_extraction(url, False)
+    assert open_for_extraction(url, False).meta["plan_hash"] == first.meta["plan_hash"]
+    shutil.rmtree(url)
+    second = ExtractionStore.open_or_create(url, make_plan([30], tag="b"), meta())
+    assert open_for_extraction(url, False).meta["plan_hash"] == second.meta["plan_hash"]
+    shutil.rmtree(url)
+    with pytest.raises(StoreError, match="expected a Zarr group"):
+        open_for_extraction(url, False)

@@ -72,7 +72,7 @@ def child_plain(model: Path, dataset: Path, dtype: str) -> dict[str, float]:
         tokenize_conversation(tokenizer, c.messages, 2048) for c in iter_conversations(dataset)
     ]
     llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=1)
+    params = SamplingParams(max_tokens=1, temperature=0.0)  # greedy, as hsx samples
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)  # warm-up
     started, cpu_started = time.perf_counter(), _cpu_seconds()
     tokens = 0

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-from hsx.engine.options import CONNECTOR_NAME, REQUEST_KEY
+from hsx.engine.options import CONNECTOR_NAME
 
 # Sinks registered in this process: sink_id -> callable(key, hidden_states [tokens, K, H]).
 HiddenStateSink = Callable[[str, torch.Tensor], None]
@@ -238,8 +238,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         meta = HsxConnectorMetadata()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
-            params = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
-            key = str((params.get("kv_transfer_params") or {}).get(REQUEST_KEY, new.req_id))
+            key = new.req_id  # the engine's request id (what add_request returned)
             prompt_len = len(new.prompt_token_ids or [])
             self._tracked[new.req_id] = _TrackedRequest(
                 key=key, prompt_len=prompt_len, block_ids=list(new.block_ids[self._group_id])

@@ -13,8 +13,6 @@ from settings import EngineSettings
 # Where vLLM finds hsx's connector (hsx.engine.connector imports vLLM, so the names live here).
 CONNECTOR_NAME = "HsxHiddenStatesConnector"
 CONNECTOR_MODULE = "hsx.engine.connector"
-# The key a caller puts in SamplingParams.extra_args["kv_transfer_params"] to name its result.
-REQUEST_KEY = "hsx_key"
 
 
 def _cuda_available() -> bool:

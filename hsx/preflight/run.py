@@ -25,7 +25,6 @@ CONNECTOR_FIELDS = {
     "vllm.v1.core.sched.output.NewRequestData": (
         "req_id",
         "prompt_token_ids",
-        "sampling_params",
         "block_ids",
         "num_computed_tokens",
     ),

@@ -177,10 +177,11 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path, direct: bool) -> 
     import torch
 
     from hsx.dataset import TokenizedSample
-    from hsx.plan import Plan, cut_chunks
+    from hsx.plan import Plan, auto_rows_per_chunk, cut_chunks
     from hsx.store import ExtractionStore
 
-    k, h, c = 4, 4096, 256  # a mid-size model's rows: 32 KiB per token in bf16
+    k, h = 4, 4096  # a mid-size model's rows: 32 KiB per token in bf16
+    c = auto_rows_per_chunk(2 * k * h, 16 << 20)  # hsx's default: 16 MiB objects (C=512)
     tokens = total_bytes // (2 * k * h)
     lengths = np.full(tokens // 1024, 1024, dtype=np.int32)
     chunks, starts, rows = cut_chunks(

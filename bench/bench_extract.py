@@ -56,6 +56,16 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _pass_result(tokens: int, started: float, cpu_started: float) -> dict[str, float]:
+    seconds = time.perf_counter() - started
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "cpu_seconds": _cpu_seconds() - cpu_started,
+    }
+
+
 def _best_pass(passes: list[dict[str, float]]) -> dict[str, float]:
     """The fastest of a child's timed passes, with every pass's rate kept for the report."""
     best = dict(max(passes, key=lambda p: p["tokens_per_s"]))
@@ -96,15 +106,7 @@ def child_plain(model: Path, dataset: Path, dtype: str, passes: int) -> dict[str
                 use_tqdm=False,
             )
             tokens += sum(s.num_tokens for s in batch)
-        seconds = time.perf_counter() - started
-        results.append(
-            {
-                "tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "cpu_seconds": _cpu_seconds() - cpu_started,
-            }
-        )
+        results.append(_pass_result(tokens, started, cpu_started))
     return _best_pass(results)
 
 
@@ -137,15 +139,7 @@ def child_hsx(model: Path, dataset: Path, dtype: str, store: str, passes: int) -
                 )
             )
         tokens = sum(record.tokens for record in records if record)
-        seconds = time.perf_counter() - started
-        results.append(
-            {
-                "tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "cpu_seconds": _cpu_seconds() - cpu_started,
-            }
-        )
+        results.append(_pass_result(tokens, started, cpu_started))
         shutil.rmtree(settings.store, ignore_errors=True)
     best = _best_pass(results)
     best["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -149,13 +149,18 @@ def test_uncommitted_chunk_is_invisible_and_reported(store_url: str) -> None:
     assert [c.index for c in store.pending_chunks()] == [1, 2, 3]
 
 
-def test_flipped_byte_is_detected(tmp_path: Path) -> None:
+def extracted_store(tmp_path: Path) -> tuple[str, list[Path]]:
+    """A local store with every chunk extracted; its URL and hidden-state objects in order."""
     url = str(tmp_path / "store")
     plan = make_plan([40, 40], work=48)
     store = ExtractionStore.open_or_create(url, plan, meta())
     for chunk in plan.chunks:
         extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
-    files = sorted((tmp_path / "store" / "hidden_states").glob("c.*"))
+    return url, sorted((tmp_path / "store" / "hidden_states").glob("c.*"))
+
+
+def test_flipped_byte_is_detected(tmp_path: Path) -> None:
+    url, files = extracted_store(tmp_path)
     data = bytearray(files[-1].read_bytes())
     data[len(data) // 2] ^= 0x01
     files[-1].write_bytes(bytes(data))
@@ -226,12 +231,7 @@ def test_a_store_that_cannot_fit_is_refused_before_anything_is_written(tmp_path:
 
 
 def test_missing_or_truncated_object_is_named_by_verify_not_read_as_zeros(tmp_path: Path) -> None:
-    url = str(tmp_path / "store")
-    plan = make_plan([40, 40], work=48)
-    store = ExtractionStore.open_or_create(url, plan, meta())
-    for chunk in plan.chunks:
-        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
-    objects = sorted((tmp_path / "store" / "hidden_states").glob("c.*"))
+    url, objects = extracted_store(tmp_path)
     objects[0].unlink()
     objects[-1].write_bytes(objects[-1].read_bytes()[:100])
     report = verify_store(ExtractionStore.open(url))

@@ -134,6 +134,7 @@ def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
 # metadata object, so a store deleted and re-created under the same URL is opened anew.
 _OPEN_STORES: dict[tuple[str, bool], tuple[tuple[Any, ...], ExtractionStore]] = {}
 _OPEN_STORES_LOCK = threading.Lock()
+_OPEN_STORES_KEPT = 4
 
 
 def open_for_extraction(url: str, direct_io: bool) -> ExtractionStore:
@@ -148,7 +149,10 @@ def open_for_extraction(url: str, direct_io: bool) -> ExtractionStore:
             pass  # deleted: open() below says so
     store = ExtractionStore.open(url, mode="r+", direct_io=direct_io)
     with _OPEN_STORES_LOCK:
+        _OPEN_STORES.pop(key, None)
         _OPEN_STORES[key] = (store.layout_stamp(), store)
+        while len(_OPEN_STORES) > _OPEN_STORES_KEPT:  # a long-lived worker runs many stores
+            _OPEN_STORES.pop(next(iter(_OPEN_STORES)))
     return store
 
 

@@ -285,3 +285,14 @@ def test_store_cache_reopens_a_store_recreated_under_the_same_url(tmp_path: Path
     shutil.rmtree(url)
     with pytest.raises(StoreError, match="expected a Zarr group"):
         open_for_extraction(url, False)
+
+
+def test_store_cache_keeps_only_the_most_recent_stores(tmp_path: Path) -> None:
+    from hsx import pipeline
+
+    urls = [str(tmp_path / f"s{i}") for i in range(pipeline._OPEN_STORES_KEPT + 2)]
+    for url in urls:
+        ExtractionStore.open_or_create(url, make_plan([10]), meta())
+        pipeline.open_for_extraction(url, False)
+    kept = [key[0] for key in pipeline._OPEN_STORES]
+    assert kept == urls[-pipeline._OPEN_STORES_KEPT :]

@@ -228,8 +228,8 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path, direct: bool) -> 
             "logical_dtype": "bfloat16",
             "layer_ids": [1, 2, 3, 4],
         }
-        store = ExtractionStore.open_or_create(url, plan, meta)
-        store.direct_io = direct
+        ExtractionStore.open_or_create(url, plan, meta)
+        store = ExtractionStore.open(url, mode="r+", direct_io=direct)
         settle()
         started, cpu_started = time.perf_counter(), _cpu_seconds()
         for chunk in plan.chunks:

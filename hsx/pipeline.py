@@ -131,7 +131,8 @@ def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
 
 # Stores opened for extraction in this process, by (url, direct_io): opening one through zarr
 # costs ~5 ms of CPU per chunk, paid out of the engine's cores. Checked against the group's
-# metadata object, so a store deleted and re-created under the same URL is opened anew.
+# metadata object, so a store deleted and re-created under the same URL is opened anew. Chunk
+# threads share one store object: its layout is read-only and each chunk writes its own objects.
 _OPEN_STORES: dict[tuple[str, bool], tuple[tuple[Any, ...], ExtractionStore]] = {}
 _OPEN_STORES_LOCK = threading.Lock()
 _OPEN_STORES_KEPT = 4

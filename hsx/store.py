@@ -102,7 +102,7 @@ def _write_atomic(
 class ExtractionStore:
     """One extraction's Zarr group plus its commit and run records."""
 
-    def __init__(self, url: str, group: zarr.Group) -> None:
+    def __init__(self, url: str, group: zarr.Group, direct_io: bool = False) -> None:
         self.url = url
         self.group = group
         self.fs, self.root = _fs_and_root(url)
@@ -111,7 +111,7 @@ class ExtractionStore:
         self._arrays: dict[str, zarr.Array] = {}
         self._raw_chunks = {name: self._is_raw(name) for name in ROW_ARRAYS if name in group}
         # Chunk objects on local disks bypass the page cache (hsx.local_io says why).
-        self.direct_io = False
+        self.direct_io = direct_io
         self._sample_index: tuple[np.ndarray, np.ndarray] | None = None
 
     def _is_raw(self, name: str) -> bool:
@@ -142,8 +142,7 @@ class ExtractionStore:
         if not fs.exists(f"{root}/zarr.json"):
             raise StoreError(f"store {url}: expected a Zarr group (zarr.json), found nothing")
         group = zarr.open_group(url, mode=mode)  # type: ignore[arg-type]
-        store = cls(url, group)
-        store.direct_io = direct_io
+        store = cls(url, group, direct_io)
         if HSX_ATTR not in group.attrs or not store.meta.get("layout_complete"):
             raise StoreError(
                 f"store {url}: expected hsx metadata with layout_complete=true, found "

@@ -238,10 +238,12 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         meta = HsxConnectorMetadata()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
-            key = new.req_id  # the engine's request id (what add_request returned)
+            # Results are keyed by the engine's request id (what add_request returned).
             prompt_len = len(new.prompt_token_ids or [])
             self._tracked[new.req_id] = _TrackedRequest(
-                key=key, prompt_len=prompt_len, block_ids=list(new.block_ids[self._group_id])
+                key=new.req_id,
+                prompt_len=prompt_len,
+                block_ids=list(new.block_ids[self._group_id]),
             )
             computed_before[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs

@@ -15,6 +15,18 @@ import xxhash
 ALGORITHM = "xxh3_128"
 
 
+def new_hasher() -> xxhash.xxh3_128:
+    """A streaming hasher: updates with consecutive parts of an object give the same digest as
+    ``digest`` of the whole (xxhash guarantees it; hsx hashes rows while they are in cache)."""
+    return xxhash.xxh3_128()
+
+
+def update_digest(hasher: xxhash.xxh3_128, rows: np.ndarray) -> None:
+    """Feed the rows' C-order bytes to a streaming hasher."""
+    contiguous: Any = np.ascontiguousarray(rows)  # numpy arrays are buffers; stubs disagree
+    hasher.update(memoryview(contiguous).cast("B"))
+
+
 def digest(rows: np.ndarray) -> str:
     """xxh3-128 of the rows' C-order bytes: the bytes the store holds for them."""
     contiguous: Any = np.ascontiguousarray(rows)  # numpy arrays are buffers; stubs disagree

@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+import torch
 
 DIRECT_ALIGNMENT = 4096
 # Devices (st_dev) where O_DIRECT was refused: not tried again in this process.
@@ -40,6 +41,15 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     raw = np.empty(nbytes + DIRECT_ALIGNMENT, dtype=np.uint8)
     offset = (-raw.ctypes.data) % DIRECT_ALIGNMENT
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor whose data starts on a DIRECT_ALIGNMENT boundary (torch's
+    allocator promises 64 bytes)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = aligned_empty((count * itemsize,), np.dtype("uint8"))
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def is_direct_aligned(payload: memoryview) -> bool:

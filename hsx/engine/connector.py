@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 from hsx.engine.options import CONNECTOR_NAME
+from hsx.local_io import aligned_cpu_tensor
 
 # Sinks registered in this process: sink_id -> callable(key, hidden_states [tokens, K, H]).
 HiddenStateSink = Callable[[str, torch.Tensor], None]
@@ -187,11 +188,13 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
             block_ids.extend(job.block_ids[:needed])
         index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
         by_token = cache.transpose(1, 2)  # [blocks, block_size, K, H] (a view)
+        # Page-aligned: the writer can then write whole Zarr chunks of these rows with O_DIRECT
+        # straight from this buffer, without copying them into a staging buffer first.
+        rows = aligned_cpu_tensor((len(block_ids), block_size, layers, hidden), cache.dtype)
         if cache.device.type == "cpu":
-            rows = torch.empty((len(block_ids), block_size, layers, hidden), dtype=cache.dtype)
             torch.index_select(by_token, 0, index, out=rows)
         else:  # gather on the device, then one copy to the host
-            rows = torch.index_select(by_token, 0, index).cpu()
+            rows.copy_(torch.index_select(by_token, 0, index))
         flat = rows.view(len(block_ids) * block_size, layers, hidden)  # [rows, K, H]
         out: list[tuple[str, torch.Tensor]] = []
         start = 0

@@ -296,3 +296,61 @@ def test_store_cache_keeps_only_the_most_recent_stores(tmp_path: Path) -> None:
         pipeline.open_for_extraction(url, False)
     kept = [key[0] for key in pipeline._OPEN_STORES]
     assert kept == urls[-pipeline._OPEN_STORES_KEPT :]
+
+
+def test_streamed_digests_equal_digests_of_the_stored_rows(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows are hashed block by block as they are copied; the digest must be that of each whole
+    stored Zarr chunk, padding included, whatever the block, sample and chunk boundaries."""
+    import hsx.extract
+
+    row_bytes = K * H * 4  # float32 rows
+    monkeypatch.setattr(hsx.extract, "_HASH_BLOCK_BYTES", 5 * row_bytes)  # 5 rows, not 16
+    plan = make_plan([7, 23, 3, 12], c=16, work=64)
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    chunk = plan.chunks[0]
+    samples, _ = chunk_samples(store, chunk)
+    writer = ChunkWriter(store, chunk)
+    engine = StatesEngine()
+    writer.append(samples[:2], engine.extract([s.input_ids for s in samples[:2]]))
+    writer.append(samples[2:], engine.extract([s.input_ids for s in samples[2:]]))
+    digests = writer.finish()["hidden_states"]
+    stored = store.read_rows("hidden_states", chunk.row_start, chunk.row_end)
+    expected = [digest(stored[row : row + 16]) for row in range(0, stored.shape[0], 16)]
+    assert len(expected) == 3 and digests == expected
+    assert not stored[45:].any()  # the padding rows hashed are the zero rows stored
+
+
+@pytest.mark.parametrize(("aligned", "in_place"), [(True, 2), (False, 0)])
+def test_whole_zarr_chunks_of_aligned_results_are_written_without_a_copy(
+    tmp_path: Path, aligned: bool, in_place: int
+) -> None:
+    """A sample covering whole Zarr chunks has them written straight from the engine's result
+    when it is page-aligned (the connector's buffers are); otherwise through staging. Both
+    store the same bytes under the same digests."""
+    from hsx.local_io import aligned_cpu_tensor
+
+    url = str(tmp_path / "store")
+    plan = make_plan([40, 7], c=16, work=48)  # rows [0, 40) hold chunks 0 and 1 whole
+    wide = {**meta(), "num_layers_captured": 4, "hidden_size": 64, "layer_ids": [1, 2, 3, 4]}
+    ExtractionStore.open_or_create(url, plan, wide)  # 1 KiB rows: 16 KiB objects
+    store = ExtractionStore.open(url, mode="r+", direct_io=True)
+    samples, _ = chunk_samples(store, plan.chunks[0])
+    states = []
+    for sample in samples:
+        values = torch.as_tensor(sample.input_ids, dtype=torch.float32)[
+            :, None, None
+        ] + torch.arange(256, dtype=torch.float32).reshape(1, 4, 64)
+        buffer = aligned_cpu_tensor((sample.num_tokens + 1, 4, 64), torch.float32)
+        target = buffer[:-1] if aligned else buffer[1:]  # 1 KiB off a page: not for O_DIRECT
+        target.copy_(values)
+        states.append(target)
+    writer = ChunkWriter(store, plan.chunks[0])
+    writer.append(samples, states)
+    digests = writer.finish()["hidden_states"]
+    assert writer.chunks_in_place == in_place
+    stored = store.read_rows("hidden_states", 0, 48)
+    assert torch.equal(torch.from_numpy(stored[:40]), states[0])
+    assert torch.equal(torch.from_numpy(stored[40:47]), states[1])
+    assert digests == [digest(stored[row : row + 16]) for row in (0, 16, 32)]

@@ -94,7 +94,8 @@ def child_plain(model: Path, dataset: Path, dtype: str, passes: int) -> dict[str
         tokenize_conversation(tokenizer, c.messages, 2048) for c in iter_conversations(dataset)
     ]
     llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=1, temperature=0.0)  # greedy, as hsx samples
+    # Greedy and no detokenizing, as hsx asks of the engine: the leanest plain prefill.
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)  # warm-up
     results = []
     for _ in range(passes):

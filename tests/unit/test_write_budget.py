@@ -1,0 +1,81 @@
+"""The process-wide budget of bytes submitted for writing but not yet written."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from hsx.extract import WriteBudget
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_writer_waits_until_its_object_fits_then_proceeds() -> None:
+    budget = WriteBudget(100)
+    budget.acquire(60)
+    entered = threading.Event()
+
+    def second_writer() -> None:
+        budget.acquire(50)  # 110 > 100: must wait for the first object to be written
+        entered.set()
+
+    thread = threading.Thread(target=second_writer)
+    thread.start()
+    assert not entered.wait(0.3)
+    assert budget.used == 60
+    budget.release(60)
+    assert entered.wait(5)
+    thread.join(5)
+    assert budget.used == 50
+
+
+def test_an_object_larger_than_the_budget_is_written_alone() -> None:
+    budget = WriteBudget(100)
+    budget.acquire(250)  # an empty budget admits it: no writer can deadlock on its own size
+    assert budget.used == 250
+    blocked = threading.Event()
+    done = threading.Event()
+
+    def small_writer() -> None:
+        blocked.set()
+        budget.acquire(1)
+        done.set()
+
+    thread = threading.Thread(target=small_writer)
+    thread.start()
+    blocked.wait(5)
+    assert not done.wait(0.3)
+    budget.release(250)
+    assert done.wait(5)
+    thread.join(5)
+    assert budget.used == 1
+
+
+def test_a_failed_write_raises_and_gives_its_bytes_back(tmp_path: Path) -> None:
+    """A real write failure: the array's folder replaced by a file. The writer raises the
+    OSError, nothing is committed, and the process budget is whole again (no leak that would
+    stall every later chunk)."""
+    import shutil
+
+    from hsx import extract
+    from hsx.extract import ChunkWriter, chunk_samples
+    from hsx.store import ExtractionStore
+    from tests.unit.test_plan_store import StatesEngine, make_plan, meta
+
+    url = str(tmp_path / "store")
+    plan = make_plan([40, 7], c=16, work=48)
+    ExtractionStore.open_or_create(url, plan, meta())
+    store = ExtractionStore.open(url, mode="r+")
+    samples, _ = chunk_samples(store, plan.chunks[0])
+    hidden = tmp_path / "store" / "hidden_states"
+    metadata = (hidden / "zarr.json").read_bytes()
+    shutil.rmtree(hidden)
+    hidden.write_bytes(metadata)  # a file where the array's folder was: every write fails
+    writer = ChunkWriter(store, plan.chunks[0])
+    with pytest.raises(OSError):
+        writer.append(samples, StatesEngine().extract([s.input_ids for s in samples]))
+        writer.finish()
+    assert extract._WRITE_BUDGET.used == 0
+    assert store.committed_chunks() == {}

@@ -40,7 +40,14 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int = Field(
         8192, ge=16, le=1_048_576, description="Tokens per engine step (chunked prefill size)."
     )
-    max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests per engine step.")
+    max_num_seqs: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="Requests per engine step. Extraction is prefill only: a step is bounded by "
+        "max_num_batched_tokens, and a low cap leaves steps of short conversations part empty "
+        "(measured with 64: steps of ~5.5k tokens of 8192, 2% slower extraction).",
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per engine.")
     enforce_eager: bool = Field(
         True, description="Skip torch.compile/CUDA graphs: faster start, slower steps."

@@ -5,14 +5,17 @@
    no extraction), on the same token ids. Each side runs in its own processes, alternately
    (--repeats), each process timing --passes passes after its engine is loaded; the best pass of
    each side is compared. Best-of, because these machines are noisy: the same side measured
-   27-39k tok/s minutes apart.
-2. Store write GB/s (hsx's ChunkWriter: Zarr + streaming xxh3 checksums) against a raw file
-   write of the same bytes.
+   27-43k tok/s minutes apart.
+2. Store write GB/s (hsx's ChunkWriter: Zarr + streaming xxh3 checksums, work chunks written
+   by concurrent tasks as the flow runs them) against a raw file write of the same bytes, both
+   buffered and both O_DIRECT: 1 GiB (--write-mib) of samples of chat-like lengths whose states
+   sit in page-aligned buffers, as the connector hands them over; --write-passes alternating
+   passes per side, the best compared, and the median of the pass pairs printed too.
 3. Peak RSS of a whole extraction for the bundled dataset and for ten times as many
    conversations: it must not grow with the dataset.
 
     .venv/bin/python bench/bench_extract.py [--model tiny-llama] [--repeats 3] [--passes 3]
-        [--only throughput|write|memory]
+        [--write-mib 1024] [--write-passes 8] [--only throughput|write|memory]
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Extracting one work chunk: tokenize its samples, run the engine batch by batch, write whole
 Zarr chunks with streaming checksums, then commit.
 
-Writing overlaps the engine: batch i is hashed and written by one writer thread while the engine
-computes batch i+1 (vLLM's CPU build uses one thread per engine, leaving a core free). At most one
-batch waits, so memory is bounded by two batches plus one Zarr chunk of rows, whatever the size of
-the dataset or the work chunk.
+Writing overlaps the engine: batch i is copied, hashed and handed to the I/O threads while the
+engine computes the next batches. Per chunk at most one batch waits to be appended; per process
+at most ``_WRITE_BUDGET`` bytes of objects wait to be written. Memory is bounded by those, the
+queued batches and one staging Zarr chunk per writer, whatever the size of the dataset or the
+work chunk.
 """
 
 from __future__ import annotations

@@ -29,5 +29,6 @@ def update_digest(hasher: xxhash.xxh3_128, rows: np.ndarray) -> None:
 
 def digest(rows: np.ndarray) -> str:
     """xxh3-128 of the rows' C-order bytes: the bytes the store holds for them."""
-    contiguous: Any = np.ascontiguousarray(rows)  # numpy arrays are buffers; stubs disagree
-    return str(xxhash.xxh3_128(memoryview(contiguous).cast("B")).hexdigest())
+    hasher = new_hasher()
+    update_digest(hasher, rows)
+    return str(hasher.hexdigest())

@@ -13,8 +13,9 @@ import torch
 
 from hsx.dataset import iter_conversations, tokenize_conversation
 from hsx.engine.hf_reference import hf_hidden_states, load_hf_model
+from hsx.engine.vllm_engine import get_engine
 from hsx.extract import RunContext
-from hsx.pipeline import extract_work_chunk, plan_and_create_store
+from hsx.pipeline import extract_work_chunk, plan_and_create_store, run_spec
 from hsx.planning import load_tokenizer
 from hsx.reader import HiddenStatesReader
 from hsx.store import ExtractionStore
@@ -75,6 +76,13 @@ def test_tiny_llama_local_store_matches_hf(
     reader = HiddenStatesReader(url)
     assert reader.layer_ids == (2, 4, 5, 8)  # EAGLE-3 default (2, L//2, L-3) + L for L=8
     assert_matches_hf(tiny_llama, sample_dataset, url)
+    # The connector hands results over in page-aligned buffers, each request's rows starting on
+    # a block: with 4 KiB rows (K=4, H=256, fp32) every result qualifies for the writer's
+    # in-place O_DIRECT path.
+    engine = get_engine(settings.model, settings.engine, run_spec(settings).layer_ids)
+    results = engine.extract([np.arange(1, 200), np.arange(3, 40), np.arange(5, 300)])
+    assert [tuple(r.shape) for r in results] == [(199, 4, 256), (37, 4, 256), (295, 4, 256)]
+    assert [r.data_ptr() % 4096 for r in results] == [0, 0, 0]
 
 
 def test_tiny_deepseek_memory_store_matches_hf(tiny_deepseek: Path, sample_dataset: Path) -> None:

@@ -70,11 +70,9 @@ def build_settings(**fields: Any) -> Any:
         else:
             top[key] = value
     try:
-        base = HsxSettings(**top)  # reads HSX_* for everything not given
-        merged = base.model_dump()
-        for section, values in sections.items():
-            merged[section].update(values)
-        return HsxSettings.model_validate(merged)
+        # One validation of everything together: pydantic-settings deep-merges these values over
+        # HSX_* variables (a cross-field check must see the CLI's values, not the defaults).
+        return HsxSettings(**top, **sections)
     except ValidationError as exc:
         _fail(f"invalid settings:\n{exc}")
 
@@ -152,7 +150,9 @@ def extract(
         int | None, typer.Option(help="Truncate samples to this many tokens.")
     ] = None,
     max_samples: Annotated[int | None, typer.Option(help="Only the first N conversations.")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Engine's longest sequence.")] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="vLLM's max_model_len; above --max-length.")
+    ] = None,
     kv_cache_gib: Annotated[float | None, typer.Option(help="KV cache size (GiB).")] = None,
     tensor_parallel_size: Annotated[int | None, typer.Option(help="GPUs per engine.")] = None,
     rows_per_chunk: Annotated[int | None, typer.Option(help="Token rows per Zarr chunk.")] = None,
@@ -209,9 +209,9 @@ def demo(
         dataset=REPO_ROOT / "data" / "sample_conversations.jsonl",
         store=store,
         **{
-            "engine.max_model_len": 2048,
+            "engine.max_model_len": 2048,  # the tiny models' max_position_embeddings
             "engine.kv_cache_memory_gib": 0.5,
-            "data.max_length": 2048,
+            "data.max_length": 2047,  # vLLM samples one token after the prompt
         },
     )
     raise typer.Exit(run_extraction(settings))

@@ -45,6 +45,11 @@ class StoreError(FatalError):
     """A store whose layout, plan or attributes do not match what this run expects."""
 
 
+class RequestRefusedError(FatalError):
+    """vLLM refused one prompt (too long for max_model_len, ...): the same prompt would be
+    refused again; the engine itself is fine."""
+
+
 class EngineError(TransientError):
     """The engine died or returned incomplete results; a retry rebuilds it."""
 

@@ -144,11 +144,12 @@ def _build_plan(
     chunk_tokens = layout.work_chunk_tokens or auto_work_chunk_tokens(
         total, rows_per_chunk, layout.target_work_chunks, layout.min_work_chunk_tokens
     )
-    if max(lengths, default=0) > settings.engine.max_model_len:
+    # Settings validation checks this too; settings built with model_copy are not validated.
+    if max(lengths, default=0) >= settings.engine.max_model_len:
         raise ConfigError(
-            f"data.max_length {settings.data.max_length} exceeds engine.max_model_len "
-            f"{settings.engine.max_model_len}: expected samples of at most "
-            f"{settings.engine.max_model_len} tokens, found {max(lengths)}"
+            f"engine.max_model_len {settings.engine.max_model_len}: expected samples of at most "
+            f"{settings.engine.max_model_len - 1} tokens (vLLM samples one token after each "
+            f"prompt), found {max(lengths)} (data.max_length {settings.data.max_length})"
         )
     chunks, starts, total_rows = cut_chunks(
         lengths_np,

@@ -1,13 +1,17 @@
-"""A deterministic generator of short chat conversations (OpenAI ``messages`` form).
+"""A deterministic generator of chat conversations (OpenAI ``messages`` form).
 
 The bundled dataset ``data/sample_conversations.jsonl`` is this generator's output
-(``python -m hsx.sample_data data/sample_conversations.jsonl``); the benchmark uses it to make
-datasets ten times larger with the same shape. No dataset can be downloaded on these machines.
+(``python -m hsx.sample_data data/sample_conversations.jsonl``): short conversations, quick to
+extract in tests and the demo; the benchmark uses it to make datasets ten times larger with the
+same shape. ``chat_lengths=True`` makes conversations as long as those of the chat datasets
+EAGLE-3 drafters are trained on (ShareGPT, UltraChat: a few turns with long answers, hundreds to
+thousands of tokens). No dataset can be downloaded on these machines.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from collections.abc import Iterator
@@ -49,8 +53,21 @@ _EXTRAS = [
 _SYSTEM = "You are a concise, friendly assistant."
 
 
-def generate_conversations(count: int, seed: int = 0) -> Iterator[dict[str, Any]]:
-    """Yield ``count`` conversations: 1-3 user/assistant exchanges, some with a system turn."""
+# Sentences an answer of chat length is drawn from (about 12 tokens each).
+_SENTENCES = [fact for _, fact in _TOPICS] + _EXTRAS
+
+
+def _long_answer(rng: random.Random) -> str:
+    """An answer of log-normally many sentences: median 24 (about 300 tokens), in [2, 160]."""
+    count = min(max(round(rng.lognormvariate(math.log(24), 0.8)), 2), 160)
+    return " ".join(rng.choice(_SENTENCES) for _ in range(count))
+
+
+def generate_conversations(
+    count: int, seed: int = 0, chat_lengths: bool = False
+) -> Iterator[dict[str, Any]]:
+    """Yield ``count`` conversations: 1-3 user/assistant exchanges, some with a system turn;
+    answers of one to four sentences, or of chat length (``_long_answer``)."""
     rng = random.Random(seed)
     for index in range(count):
         topic, fact = _TOPICS[rng.randrange(len(_TOPICS))]
@@ -59,19 +76,23 @@ def generate_conversations(count: int, seed: int = 0) -> Iterator[dict[str, Any]
             messages.append({"role": "system", "content": _SYSTEM})
         messages.append({"role": "user", "content": rng.choice(_QUESTIONS).format(t=topic)})
         answer = fact + " " + " ".join(rng.sample(_EXTRAS, k=rng.randint(0, 3)))
+        if chat_lengths:
+            answer = fact + " " + _long_answer(rng)
         messages.append({"role": "assistant", "content": answer.strip()})
         for _ in range(rng.choice([0, 0, 1, 2])):
             messages.append({"role": "user", "content": rng.choice(_FOLLOW_UPS)})
             reply = " ".join(rng.sample(_EXTRAS, k=rng.randint(1, 3)))
+            if chat_lengths:
+                reply = _long_answer(rng)
             messages.append({"role": "assistant", "content": reply})
         yield {"id": f"sample-{seed}-{index:06d}", "messages": messages}
 
 
-def write_jsonl(path: Path, count: int, seed: int = 0) -> Path:
+def write_jsonl(path: Path, count: int, seed: int = 0, chat_lengths: bool = False) -> Path:
     """Write ``count`` generated conversations to ``path`` (one JSON object per line)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as out:
-        for conversation in generate_conversations(count, seed):
+        for conversation in generate_conversations(count, seed, chat_lengths):
             out.write(json.dumps(conversation, ensure_ascii=False) + "\n")
     return path
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -28,7 +28,11 @@ class EngineSettings(BaseModel):
         "comparisons with HF transformers. vLLM's DeepSeek models refuse float16.",
     )
     max_model_len: int = Field(
-        4096, ge=16, le=1_048_576, description="Longest sample (tokens) the engine accepts."
+        4096,
+        ge=16,
+        le=1_048_576,
+        description="vLLM's max_model_len: the longest sample it accepts is one token shorter "
+        "(it samples one token after each prompt).",
     )
     kv_cache_memory_gib: float = Field(
         1.0,
@@ -112,7 +116,11 @@ class DataSettings(BaseModel):
     """The dataset and how it is tokenized."""
 
     max_length: int = Field(
-        2048, ge=8, le=1_048_576, description="Samples are truncated to this many tokens."
+        2048,
+        ge=8,
+        le=1_048_576,
+        description="Samples are truncated to this many tokens; must be below "
+        "engine.max_model_len (vLLM samples one token after each prompt).",
     )
     max_samples: int | None = Field(
         None, ge=1, description="Use only the first N conversations (None = all)."
@@ -185,3 +193,17 @@ class HsxSettings(BaseSettings):
     data: DataSettings = Field(default_factory=DataSettings)
     layout: StoreSettings = Field(default_factory=StoreSettings)
     run: RunSettings = Field(default_factory=RunSettings)
+
+    @model_validator(mode="after")
+    def _samples_fit_the_engine(self) -> HsxSettings:
+        # vLLM refuses a prompt that leaves no position for the token it samples after it, and
+        # a refused request must not surface only after the model load.
+        if self.data.max_length >= self.engine.max_model_len:
+            raise ValueError(
+                f"data.max_length {self.data.max_length} must be below engine.max_model_len "
+                f"{self.engine.max_model_len} (vLLM needs one position for the token it samples "
+                f"after each prompt): set data.max_length to at most "
+                f"{self.engine.max_model_len - 1} or engine.max_model_len to at least "
+                f"{self.data.max_length + 1}"
+            )
+        return self

@@ -66,6 +66,14 @@ def make_settings(model: Path, dataset: Path, store: str, **sections: dict[str, 
     }
     layout = {"min_work_chunk_tokens": 1024, "rows_per_chunk": 256, **sections.pop("layout", {})}
     run = {"retry_delay_seconds": 0.0, **sections.pop("run", {})}
+    data = {"max_length": 2047, **sections.pop("data", {})}  # below max_model_len
     return HsxSettings(
-        model=model, dataset=dataset, store=store, engine=engine, layout=layout, run=run, **sections
+        model=model,
+        dataset=dataset,
+        store=store,
+        engine=engine,
+        layout=layout,
+        run=run,
+        data=data,
+        **sections,
     )

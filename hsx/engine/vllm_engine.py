@@ -26,7 +26,7 @@ import torch
 
 from hsx.engine import connector as hsx_connector
 from hsx.engine.options import engine_kwargs, resolve_dtype
-from hsx.errors import ConfigError, EngineError
+from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.plan import read_config, text_config
 from settings import EngineSettings
 
@@ -140,11 +140,20 @@ class VllmHiddenStateEngine:
                         self._shutdown()
                         return
                     key, prompt, future = item
-                    # vLLM makes the id unique (key + random suffix) and returns it; the
-                    # connector sees only that id, so results are keyed by it.
-                    engine_id = engine.add_request(
-                        key, TokensPrompt(prompt_token_ids=prompt.tolist()), params
-                    )
+                    try:
+                        # vLLM makes the id unique (key + random suffix) and returns it; the
+                        # connector sees only that id, so results are keyed by it.
+                        engine_id = engine.add_request(
+                            key, TokensPrompt(prompt_token_ids=prompt.tolist()), params
+                        )
+                    except Exception as exc:  # this prompt alone: the engine stays up
+                        refused = RequestRefusedError(
+                            f"request {key} of {len(prompt)} tokens: expected vLLM to accept "
+                            f"it, found {exc!r}"
+                        )
+                        refused.__cause__ = exc
+                        future.set_exception(refused)
+                        continue
                     if not isinstance(engine_id, str):
                         raise EngineError(
                             "LLMEngine.add_request: expected the engine's request id (str), "

@@ -85,6 +85,27 @@ def test_tiny_llama_local_store_matches_hf(
     assert [r.data_ptr() % 4096 for r in results] == [0, 0, 0]
 
 
+def test_a_prompt_vllm_refuses_fails_alone(tiny_llama: Path, sample_dataset: Path) -> None:
+    """A prompt with no room for the sampled token is refused by vLLM: that request fails with a
+    fatal error naming it, and the engine keeps serving the others (it used to kill the engine
+    driver, failing every chunk and every retry)."""
+    from hsx.errors import RequestRefusedError, is_retryable
+
+    settings = make_settings(tiny_llama, sample_dataset, "memory://unused")
+    engine = get_engine(settings.model, settings.engine, run_spec(settings).layer_ids)
+    too_long = np.arange(1, settings.engine.max_model_len + 1)  # [2048]: max_model_len tokens
+    refused, fine = engine.submit([too_long, np.arange(1, 100)])
+    with pytest.raises(
+        RequestRefusedError, match=r"of 2048 tokens: expected vLLM to accept"
+    ) as info:
+        refused.result(timeout=60)
+    assert not is_retryable(info.value)
+    assert "2048" in repr(info.value.__cause__)
+    assert tuple(fine.result(timeout=60).shape) == (99, 4, 256)
+    assert engine.alive
+    assert [tuple(r.shape) for r in engine.extract([np.arange(1, 2048)])] == [(2047, 4, 256)]
+
+
 def test_tiny_deepseek_memory_store_matches_hf(tiny_deepseek: Path, sample_dataset: Path) -> None:
     url = f"memory://hsx-{uuid.uuid4().hex}/deepseek.zarr"
     # SpecForge numbering 1,3,7 == vLLM ids 2,4,8 (id 8 = final pre-norm state)

@@ -129,3 +129,25 @@ def test_layer_ids_out_of_range(tiny_llama: Path, sample_dataset: Path, tmp_path
         result.stdout
     )
     assert_nothing_written(tmp_path / "s")
+
+
+def test_sample_length_must_leave_room_for_the_sampled_token(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "s.zarr"
+    out = hsx(
+        "extract",
+        "--model",
+        str(tiny_llama),
+        "--dataset",
+        str(sample_dataset),
+        "--store",
+        str(store),
+        "--max-model-len",
+        "2048",
+        "--max-length",
+        "2048",
+    )
+    assert out.returncode != 0
+    assert "data.max_length 2048 must be below engine.max_model_len 2048" in out.stdout + out.stderr
+    assert_nothing_written(store)

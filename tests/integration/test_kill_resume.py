@@ -42,6 +42,8 @@ def extract_command(model: Path, dataset: Path, store: Path) -> list[str]:
         "0.25",
         "--max-model-len",
         "2048",
+        "--max-length",
+        "2047",
         "--no-preflight",
     ]
 

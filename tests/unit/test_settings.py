@@ -1,0 +1,38 @@
+"""Settings: the cross-field check sees values from the CLI and from HSX_* variables together."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from flows.cli import build_settings
+from settings import HsxSettings
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+def test_max_length_must_be_below_max_model_len() -> None:
+    with pytest.raises(
+        ValidationError,
+        match=r"data.max_length 4096 must be below engine.max_model_len 4096.*at most 4095.*at least 4097",
+    ):
+        HsxSettings(model="m", dataset="d", store="s", data={"max_length": 4096})
+    ok = HsxSettings(model="m", dataset="d", store="s", data={"max_length": 4095})
+    assert (ok.data.max_length, ok.engine.max_model_len) == (4095, 4096)
+
+
+def test_cli_values_and_environment_are_validated_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The environment alone (max_model_len 1024 against the default max_length 2048) is invalid;
+    # with the CLI's max_length it is not, and the CLI's values win over the environment's.
+    monkeypatch.setenv("HSX_ENGINE__MAX_MODEL_LEN", "1024")
+    monkeypatch.setenv("HSX_ENGINE__DTYPE", "float32")
+    monkeypatch.setenv("HSX_DATA__MAX_LENGTH", "4000")
+    settings = build_settings(
+        model="m", dataset="d", store="s", **{"data.max_length": 512, "engine.seed": 7}
+    )
+    assert settings.engine.max_model_len == 1024
+    assert settings.engine.dtype == "float32"
+    assert settings.engine.seed == 7
+    assert settings.data.max_length == 512

@@ -351,3 +351,29 @@ def test_tokenizer_fingerprint(tokenizer: Any, fresh_tokenizer: Any) -> None:
     assert changed_template != first
     fresh_tokenizer.add_tokens(["<|new|>"])
     assert fingerprint_tokenizer(fresh_tokenizer) not in (first, changed_template)
+
+
+def test_bundled_dataset_is_the_generators_output() -> None:
+    from hsx.sample_data import generate_conversations
+
+    bundled = Path(__file__).resolve().parents[2] / "data" / "sample_conversations.jsonl"
+    lines = bundled.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) for line in lines] == list(generate_conversations(300, seed=0))
+
+
+def test_chat_length_conversations(tokenizer: Any) -> None:
+    """The benchmark's chat-length conversations: lengths like ShareGPT/UltraChat, deterministic,
+    with every assistant turn masked in."""
+    from hsx.sample_data import generate_conversations
+
+    conversations = list(generate_conversations(200, seed=3, chat_lengths=True))
+    assert conversations == list(generate_conversations(200, seed=3, chat_lengths=True))
+    lengths = []
+    for conversation in conversations:
+        sample = tokenize_conversation(tokenizer, conversation["messages"], max_length=1 << 16)
+        assistant = [m["content"] for m in conversation["messages"] if m["role"] == "assistant"]
+        assert sample.loss_mask.sum() >= sum(len(a.split()) for a in assistant) // 4
+        lengths.append(sample.num_tokens)
+    median = float(np.median(lengths))
+    assert 400 < median < 1200, f"expected a chat-like median length, found {median}"
+    assert max(lengths) > 3 * median, "expected a long tail"

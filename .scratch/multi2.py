@@ -35,6 +35,16 @@ def install_timing():
 def timed(runner):
     def make(*a, **k):
         install_timing()
+        if os.environ.get("HSX_NOGC"):
+            import gc; gc.disable()
+        if os.environ.get("HSX_GCLOG"):
+            import gc
+            gstats = {"n": 0, "t": 0.0, "t0": 0.0}
+            def cb(phase, info):
+                if info["generation"] != 2: return
+                if phase == "start": gstats["t0"] = time.perf_counter()
+                else: gstats["n"] += 1; acc["gc2"] += time.perf_counter() - gstats["t0"]
+            gc.callbacks.append(cb)
         if os.environ.get("HSX_SWITCH"):
             sys.setswitchinterval(float(os.environ["HSX_SWITCH"]))
         one = runner(*a, **k)
@@ -79,7 +89,7 @@ if __name__ == "__main__":
             res[n].append(children[n].one_pass())
         print(f"round {r}: " + ", ".join(f"{n} {res[n][-1]['tokens_per_s']:,.0f}" for n in names), flush=True)
     for c in children.values(): c.close()
-    keys = ["seconds", "llm_step", "add_request", "take", "forward", "sample_tokens", "propose", "conn_save", "prepare", "schedule", "update", "cpu_seconds"]
+    keys = ["gc2", "seconds", "llm_step", "add_request", "take", "forward", "sample_tokens", "propose", "conn_save", "prepare", "schedule", "update", "cpu_seconds"]
     for n in names:
         print(n, " ".join(f"{k}={np.median([x.get(k, 0) for x in res[n]]):.3f}" for k in keys))
     for n in names:

@@ -195,6 +195,7 @@ class Child:
 
     def one_pass(self) -> dict[str, float]:
         assert self._proc.stdin is not None
+        time.sleep(1.0)  # each pass starts on a quiet machine: the other side's threads asleep
         self._proc.stdin.write("pass\n")
         self._proc.stdin.flush()
         return self._read()

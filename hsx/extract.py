@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol, cast
@@ -353,6 +353,9 @@ def extract_chunk(
     def consume() -> None:
         nonlocal pending
         batch, futures = queued.popleft()
+        # One wake-up when the whole batch is done, not one per request: each wake-up of this
+        # thread takes the GIL from the engine's driver thread.
+        wait(futures)
         states = [future.result() for future in futures]
         if pending is not None:
             pending.result()  # keeps rows in order and at most one batch waiting

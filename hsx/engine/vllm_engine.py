@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,15 @@ from hsx.plan import read_config, text_config
 from settings import EngineSettings
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A prompt submitted to the driver, not yet added to the engine."""
+
+    key: str
+    token_ids: list[int]
+    future: Future[torch.Tensor]
 
 
 class VllmHiddenStateEngine:
@@ -57,11 +67,12 @@ class VllmHiddenStateEngine:
             hsx_connector.register_sink(self._sink_id, self._results.__setitem__)
         # Read by vLLM when the engine is built: in-process core (fast start) or a child process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine.in_process else "1"
-        self._inbox: queue.Queue[tuple[str, np.ndarray, Future[torch.Tensor]] | None] = (
-            queue.Queue()
-        )
+        # One item per submitted batch: the driver takes a whole batch per queue operation
+        # instead of trading the GIL with the submitting thread for every prompt.
+        self._inbox: queue.Queue[list[_Pending] | None] = queue.Queue()
         # key -> (prompt tokens, future, the engine's request id)
         self._waiting: dict[str, tuple[int, Future[torch.Tensor], str]] = {}
+        self._adding: list[_Pending] = []  # the batch being added (failed with the waiters)
         self._failure: BaseException | None = None
         self._closed = False
         self._ready: Future[None] = Future()
@@ -99,12 +110,12 @@ class VllmHiddenStateEngine:
                 f"engine for {self.model_dir} is not alive ({self._failure!r}); a retry builds a new one"
             )
         batch = uuid.uuid4().hex[:12]
-        futures: list[Future[torch.Tensor]] = []
-        for i, prompt in enumerate(prompts):
-            future: Future[torch.Tensor] = Future()
-            self._inbox.put((f"{batch}-{i}", prompt, future))
-            futures.append(future)
-        return futures
+        # Token lists are built here, in the caller's thread, not in the engine's.
+        pending = [
+            _Pending(f"{batch}-{i}", prompt.tolist(), Future()) for i, prompt in enumerate(prompts)
+        ]
+        self._inbox.put(pending)
+        return [item.future for item in pending]
 
     def extract(self, prompts: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Hidden states of each prompt, each ``[tokens, K, H]`` (submit and wait)."""
@@ -112,7 +123,6 @@ class VllmHiddenStateEngine:
 
     def _drive(self, kwargs: dict[str, Any]) -> None:
         from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
 
         try:
             self._llm = LLM(**kwargs)
@@ -139,27 +149,7 @@ class VllmHiddenStateEngine:
                     if item is None:
                         self._shutdown()
                         return
-                    key, prompt, future = item
-                    try:
-                        # vLLM makes the id unique (key + random suffix) and returns it; the
-                        # connector sees only that id, so results are keyed by it.
-                        engine_id = engine.add_request(
-                            key, TokensPrompt(prompt_token_ids=prompt.tolist()), params
-                        )
-                    except Exception as exc:  # this prompt alone: the engine stays up
-                        refused = RequestRefusedError(
-                            f"request {key} of {len(prompt)} tokens: expected vLLM to accept "
-                            f"it, found {exc!r}"
-                        )
-                        refused.__cause__ = exc
-                        future.set_exception(refused)
-                        continue
-                    if not isinstance(engine_id, str):
-                        raise EngineError(
-                            "LLMEngine.add_request: expected the engine's request id (str), "
-                            f"found {engine_id!r}"
-                        )
-                    self._waiting[key] = (len(prompt), future, engine_id)
+                    self._add_batch(engine, item, params)
                     block = False
                 for output in engine.step():
                     if output.finished and output.request_id in self._waiting:
@@ -173,18 +163,48 @@ class VllmHiddenStateEngine:
             logger.error("vLLM engine driver failed: %r", exc, exc_info=True)
             self._fail_waiters(EngineError(f"vLLM engine failed: {exc!r}"))
 
+    def _add_batch(self, engine: Any, batch: list[_Pending], params: Any) -> None:
+        """Add a submitted batch's requests to the engine (in the driver thread)."""
+        from vllm.inputs import TokensPrompt
+
+        self._adding = batch
+        for item in batch:
+            try:
+                # vLLM makes the id unique (key + random suffix) and returns it; the connector
+                # sees only that id, so results are keyed by it.
+                engine_id = engine.add_request(
+                    item.key, TokensPrompt(prompt_token_ids=item.token_ids), params
+                )
+            except Exception as exc:  # this prompt alone: the engine stays up
+                refused = RequestRefusedError(
+                    f"request {item.key} of {len(item.token_ids)} tokens: expected vLLM to "
+                    f"accept it, found {exc!r}"
+                )
+                refused.__cause__ = exc
+                item.future.set_exception(refused)
+                continue
+            if not isinstance(engine_id, str):
+                raise EngineError(
+                    "LLMEngine.add_request: expected the engine's request id (str), "
+                    f"found {engine_id!r}"
+                )
+            self._waiting[item.key] = (len(item.token_ids), item.future, engine_id)
+        self._adding = []
+
     def _fail_waiters(self, error: EngineError) -> None:
-        for _, future, _ in self._waiting.values():
-            if not future.done():
-                future.set_exception(error)
+        unfinished = [future for _, future, _ in self._waiting.values()]
+        unfinished += [item.future for item in self._adding]
         self._waiting.clear()
+        self._adding = []
         while True:
             try:
-                item = self._inbox.get_nowait()
+                batch = self._inbox.get_nowait()
             except queue.Empty:
-                return
-            if item is not None and not item[2].done():
-                item[2].set_exception(error)
+                break
+            unfinished += [item.future for item in batch or []]
+        for future in unfinished:
+            if not future.done():
+                future.set_exception(error)
 
     def _take(self, key: str, expected_tokens: int) -> torch.Tensor:
         rows = self._results.pop(key, None)

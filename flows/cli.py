@@ -310,10 +310,6 @@ def preflight(
     rotary_custom_op: Annotated[
         str | None, typer.Option(help="auto, on or off (MLA on CPU).")
     ] = None,
-    max_model_len: Annotated[
-        int | None, typer.Option(help="vLLM's max_model_len, checked against the model.")
-    ] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto, bfloat16, float16 or float32.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Checks that take seconds, before the long model load; exit 1 when any check fails."""
@@ -339,8 +335,6 @@ def preflight(
                 for k, v in {
                     "tensor_parallel_size": tensor_parallel_size,
                     "mla_rotary_custom_op": rotary_custom_op,
-                    "max_model_len": max_model_len,
-                    "dtype": dtype,
                 }.items()
                 if v is not None
             }

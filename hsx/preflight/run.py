@@ -81,7 +81,6 @@ def static_checks(
 ) -> tuple[list[CheckResult], dict[str, Any]]:
     """Every check that needs no engine. Returns (results, context for the probe)."""
     from hsx.preflight.contract import capture_id_range, check_capture_contract, check_tokenizer
-    from hsx.preflight.engine_config import EngineConfigCheck
     from hsx.preflight.resolve import check_resolution, resolve_architecture
     from hsx.preflight.resources import check_resources
     from hsx.preflight.signatures import check_signatures, default_call_sites
@@ -102,7 +101,6 @@ def static_checks(
     resolved = resolve_architecture(config)
     context["resolved"] = resolved
     num_layers = int(text["num_hidden_layers"])
-    engine_config = EngineConfigCheck(model_dir, engine, config)  # runs beside the others
 
     def contract() -> CheckResult:
         ids = capture_layer_ids(capture, num_layers)
@@ -150,7 +148,6 @@ def static_checks(
         )
 
     results.append(_guarded("resources", resources))
-    results.append(_guarded("engine-config", engine_config.result))
     return results, context
 
 

@@ -45,36 +45,18 @@ def test_public_configs_resolve_and_probe(fixture: str, chain_end: str, ids: str
     assert checks["tokenizer"].status == Status.FAIL and not report.ok
 
 
-TINY_ENGINE = EngineSettings(max_model_len=2048)  # the tiny models' max_position_embeddings
-
-
 def test_tiny_model_passes_everything(tiny_llama: Path) -> None:
-    report = run_preflight(tiny_llama, engine=TINY_ENGINE)
+    report = run_preflight(tiny_llama)
     assert report.ok, [(r.check, r.summary) for r in report.results]
     assert by_check(report)["probe"].status == Status.PASS
-    assert "max_model_len 2048" in by_check(report)["engine-config"].summary
-
-
-def test_max_model_len_beyond_the_model_fails_before_the_load(tiny_llama: Path) -> None:
-    """vLLM refuses max_model_len 4096 for a model of 2048 positions when it builds the engine;
-    preflight used to pass and every chunk then failed."""
-    report = run_preflight(tiny_llama, engine=EngineSettings(max_model_len=4096), probe=False)
-    check = by_check(report)["engine-config"]
-    assert check.status == Status.FAIL and not report.ok
-    assert "engine.max_model_len 4096" in check.summary
-    assert "max_position_embeddings=2048" in check.summary
 
 
 def test_numeric_cross_check_catches_the_cpu_rotary_kernel(tiny_deepseek: Path) -> None:
     """vLLM's CPU rotary op is wrong for MLA's 3-D queries: the probe must fail with it on."""
-    bad = run_preflight(
-        tiny_deepseek, engine=EngineSettings(mla_rotary_custom_op="on", max_model_len=2048)
-    )
+    bad = run_preflight(tiny_deepseek, engine=EngineSettings(mla_rotary_custom_op="on"))
     probe = by_check(bad)["probe"]
     assert probe.status == Status.FAIL and "differ from HF transformers" in probe.summary
-    good = run_preflight(
-        tiny_deepseek, engine=EngineSettings(mla_rotary_custom_op="auto", max_model_len=2048)
-    )
+    good = run_preflight(tiny_deepseek, engine=EngineSettings(mla_rotary_custom_op="auto"))
     assert by_check(good)["probe"].status == Status.PASS
 
 
@@ -101,10 +83,9 @@ def test_cli_exit_codes_and_json(tiny_llama: Path) -> None:
         "signatures",
         "weights",
         "resources",
-        "engine-config",
     }
     passing = subprocess.run(
-        [*run, str(tiny_llama), "--no-probe", "--max-model-len", "2048"],
+        [*run, str(tiny_llama), "--no-probe"],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

@@ -2,12 +2,13 @@
 
 1. tokens/s of hsx's extraction (vLLM extract_hidden_states + hsx connector, Zarr write,
    checksums, commit) against the same engine settings doing plain prefill (max_tokens=1, greedy,
-   no extraction), on the same token ids: 400 conversations of chat length (median ~690 tokens,
+   no extraction), on the same token ids: 400 conversations of chat length (median ~670 tokens,
    as the ShareGPT/UltraChat data drafters train on), then the 3000 short ones of x10 (~86
-   tokens: the worst case, where vLLM's per-request costs weigh most). Both engines stay loaded, in two processes, and each
-   round times one pass of each back to back, in alternating order (--rounds). The median of the
-   rounds' ratios is the figure: a round compares passes seconds apart, while these machines
-   drift over minutes (the same side measured 27-43k tok/s minutes apart).
+   tokens: the worst case, where vLLM's per-request costs weigh most). Both engines stay
+   loaded, in two processes, and each round times one pass of each back to back, in
+   alternating order (--rounds). The median of the rounds' ratios is the figure: a round
+   compares passes seconds apart, while these machines drift over minutes (the same side
+   measured 22-48k tok/s within an hour).
 2. Store write GB/s (hsx's ChunkWriter: Zarr + streaming xxh3 checksums, work chunks written
    by concurrent tasks as the flow runs them) against a raw file write of the same bytes, both
    buffered and both O_DIRECT: 1 GiB (--write-mib) of samples of chat-like lengths whose states
@@ -91,7 +92,8 @@ def plain_runner(model: Path, dataset: Path, dtype: str) -> Callable[[], dict[st
     kwargs.pop("kv_transfer_config")
     tokenizer = load_tokenizer(model)
     samples = [
-        tokenize_conversation(tokenizer, c.messages, 2047) for c in iter_conversations(dataset)
+        tokenize_conversation(tokenizer, c.messages, settings.data.max_length)
+        for c in iter_conversations(dataset)
     ]
     llm = LLM(**kwargs)
     # Greedy and no detokenizing, as hsx asks of the engine: the leanest plain prefill.
@@ -416,7 +418,7 @@ def main() -> None:
         else:
             print(
                 json.dumps(
-                    child_hsx_passes(Path(model), Path(dataset), dtype, *rest[:1], int(rest[1]))
+                    child_hsx_passes(Path(model), Path(dataset), dtype, rest[0], int(rest[1]))
                 )
             )
         return
@@ -436,7 +438,7 @@ def main() -> None:
         print(
             f"model {model.name}, dtype {args.dtype}, allocator {allocator}; "
             "datasets: bundled (300 short conversations), x10 (3000 short), chat (400 of chat "
-            "length: median ~690 tokens, as ShareGPT/UltraChat)",
+            "length: median ~670 tokens, as ShareGPT/UltraChat)",
             flush=True,
         )
         if args.only in (None, "throughput"):

@@ -75,15 +75,17 @@ def generate_conversations(
         if rng.random() < 0.4:
             messages.append({"role": "system", "content": _SYSTEM})
         messages.append({"role": "user", "content": rng.choice(_QUESTIONS).format(t=topic)})
-        answer = fact + " " + " ".join(rng.sample(_EXTRAS, k=rng.randint(0, 3)))
         if chat_lengths:
             answer = fact + " " + _long_answer(rng)
+        else:
+            answer = fact + " " + " ".join(rng.sample(_EXTRAS, k=rng.randint(0, 3)))
         messages.append({"role": "assistant", "content": answer.strip()})
         for _ in range(rng.choice([0, 0, 1, 2])):
             messages.append({"role": "user", "content": rng.choice(_FOLLOW_UPS)})
-            reply = " ".join(rng.sample(_EXTRAS, k=rng.randint(1, 3)))
             if chat_lengths:
                 reply = _long_answer(rng)
+            else:
+                reply = " ".join(rng.sample(_EXTRAS, k=rng.randint(1, 3)))
             messages.append({"role": "assistant", "content": reply})
         yield {"id": f"sample-{seed}-{index:06d}", "messages": messages}
 

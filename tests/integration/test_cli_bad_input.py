@@ -29,8 +29,12 @@ def hsx(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def extract(model: Path, dataset: Path, store: str) -> subprocess.CompletedProcess[str]:
-    return hsx("extract", "--model", str(model), "--dataset", str(dataset), "--store", store)
+def extract(
+    model: Path, dataset: Path, store: str, *options: str
+) -> subprocess.CompletedProcess[str]:
+    return hsx(
+        "extract", "--model", str(model), "--dataset", str(dataset), "--store", store, *options
+    )
 
 
 def assert_nothing_written(store: Path) -> None:
@@ -94,13 +98,9 @@ def test_unknown_store_scheme(tiny_llama: Path, sample_dataset: Path) -> None:
 def test_bad_layer_ids_name_the_value(
     tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:
-    result = hsx(
-        "extract",
-        "--model",
-        str(tiny_llama),
-        "--dataset",
-        str(sample_dataset),
-        "--store",
+    result = extract(
+        tiny_llama,
+        sample_dataset,
         str(tmp_path / "s"),
         "--layer-ids",
         "2,x",
@@ -114,13 +114,9 @@ def test_verify_of_a_missing_store(tmp_path: Path) -> None:
 
 
 def test_layer_ids_out_of_range(tiny_llama: Path, sample_dataset: Path, tmp_path: Path) -> None:
-    result = hsx(
-        "extract",
-        "--model",
-        str(tiny_llama),
-        "--dataset",
-        str(sample_dataset),
-        "--store",
+    result = extract(
+        tiny_llama,
+        sample_dataset,
         str(tmp_path / "s"),
         "--layer-ids",
         "2,4,99",
@@ -135,13 +131,9 @@ def test_sample_length_must_leave_room_for_the_sampled_token(
     tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:
     store = tmp_path / "s.zarr"
-    out = hsx(
-        "extract",
-        "--model",
-        str(tiny_llama),
-        "--dataset",
-        str(sample_dataset),
-        "--store",
+    out = extract(
+        tiny_llama,
+        sample_dataset,
         str(store),
         "--max-model-len",
         "2048",

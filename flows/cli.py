@@ -310,6 +310,16 @@ def preflight(
     rotary_custom_op: Annotated[
         str | None, typer.Option(help="auto, on or off (MLA on CPU).")
     ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="vLLM's max_model_len; default the model's limit.")
+    ] = None,
+    max_length: Annotated[
+        int | None, typer.Option(help="Longest sample (tokens); below --max-model-len.")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16, float16.")] = None,
+    attention_backend: Annotated[
+        str | None, typer.Option(help="auto (hsx chooses) or a vLLM backend name.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Checks that take seconds, before the long model load; exit 1 when any check fails."""
@@ -335,6 +345,9 @@ def preflight(
                 for k, v in {
                     "tensor_parallel_size": tensor_parallel_size,
                     "mla_rotary_custom_op": rotary_custom_op,
+                    "max_model_len": max_model_len,
+                    "dtype": dtype,
+                    "attention_backend": attention_backend,
                 }.items()
                 if v is not None
             }
@@ -342,7 +355,9 @@ def preflight(
     except ValidationError as exc:
         _fail(f"invalid settings:\n{exc}")
         return
-    report = run_preflight(model_dir, capture, engine, probe=probe, store_url=store)
+    report = run_preflight(
+        model_dir, capture, engine, probe=probe, store_url=store, max_length=max_length
+    )
     if as_json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -365,6 +380,9 @@ def main() -> None:
     from flows.allocator import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()  # before anything is allocated in earnest; a no-op without tcmalloc
+    from hsx.engine.platform import enable_fault_reports
+
+    enable_fault_reports()  # SIGILL/SIGSEGV in a kernel: every thread's traceback, not a bare signal
     app()
 
 

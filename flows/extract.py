@@ -20,7 +20,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from hsx.extract import CHUNKS_IN_FLIGHT
-from hsx.pipeline import record_run
+from hsx.pipeline import record_run, resolve_settings
 from settings import HsxSettings
 from tasks.common import backoff
 from tasks.extract import extract_chunk_task
@@ -46,6 +46,8 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
     logger = get_run_logger()
     run_id = str(flow_run.get_id() or f"local-{int(time.time())}")
     started = time.perf_counter()
+    # Model-derived defaults (max_model_len, max_length) filled in once, for every task.
+    settings = resolve_settings(settings)
     if settings.run.preflight:
         preflight_tasks(settings)
     plan = plan_task(settings)

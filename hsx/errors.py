@@ -62,3 +62,31 @@ def is_retryable(exc: BaseException) -> bool:
     return not isinstance(
         exc, (TypeError, ValueError, KeyError, AttributeError, NotImplementedError)
     )
+
+
+class CarriedError(HsxError):
+    """An error that cannot be pickled (pydantic's ValidationError, errors holding locks or
+    engine handles), carried as its type name, message and traceback text, so that Prefect
+    can store a failed task's result; keeps the original's retry decision."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+    def __reduce__(self) -> tuple[type[CarriedError], tuple[str, bool]]:
+        return (type(self), (str(self), self.retryable))
+
+
+def portable_error(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling, else a CarriedError with its repr and
+    traceback (the retry decision kept)."""
+    import pickle
+    import traceback
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        pass
+    text = "".join(traceback.format_exception(exc)).rstrip()
+    return CarriedError(f"{exc!r}\n{text}", retryable=is_retryable(exc))

@@ -19,6 +19,7 @@ from hsx.dataset import validate_dataset
 from hsx.engine.options import resolve_dtype
 from hsx.errors import ConfigError, EngineError, StoreError
 from hsx.extract import RunContext, extract_chunk
+from hsx.limits import resolve_lengths
 from hsx.plan import Plan, read_config
 from hsx.planning import (
     build_plan,
@@ -47,9 +48,16 @@ class RunSpec:
 
 def run_spec(settings: HsxSettings) -> RunSpec:
     config = read_config(settings.model)
+    resolve_lengths(settings, config)  # a length the model cannot take fails here, in seconds
     layer_ids = resolve_layer_ids(settings, config)
     engine_dtype = resolve_dtype(settings.engine, config)
     return RunSpec(config, layer_ids, engine_dtype, logical_dtype(settings, engine_dtype))
+
+
+def resolve_settings(settings: HsxSettings) -> HsxSettings:
+    """The settings with every model-derived default filled in (max_model_len, max_length):
+    what the run records and every task uses, so all build the same engine."""
+    return resolve_lengths(settings, read_config(settings.model))
 
 
 def validate_inputs(settings: HsxSettings) -> int:

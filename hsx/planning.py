@@ -19,6 +19,7 @@ from hsx.dataset import (
 )
 from hsx.errors import ConfigError
 from hsx.layers import convert_layer_ids, default_layer_ids
+from hsx.limits import resolve_lengths
 from hsx.plan import Plan, auto_rows_per_chunk, auto_work_chunk_tokens, cut_chunks, text_config
 from hsx.token_spool import TokenSpool
 from settings import HsxSettings
@@ -97,6 +98,7 @@ def build_plan(
     """Tokenize every conversation once, spooling the tokens to disk, and cut work chunks.
 
     The returned plan owns ``plan.tokens``: close it (``plan.close()``) when the store exists."""
+    settings = resolve_lengths(settings, config)
     spool = TokenSpool()
     try:
         return _build_plan(settings, tokenizer, config, layer_ids, stored_dtype, spool)
@@ -113,6 +115,10 @@ def _build_plan(
     stored_dtype: str,
     spool: TokenSpool,
 ) -> Plan:
+    max_length = settings.data.max_length
+    max_model_len = settings.engine.max_model_len
+    if max_length is None or max_model_len is None:
+        raise ConfigError("planning: expected resolved lengths (hsx.limits.resolve_lengths)")
     lengths: list[int] = []
     offsets: list[int] = []
     lines: list[int] = []
@@ -123,7 +129,7 @@ def _build_plan(
         sample = tokenize_conversation(
             tokenizer,
             conversation.messages,
-            settings.data.max_length,
+            max_length,
             where=f"{settings.dataset}:{conversation.line_number}",
         )
         spool.append(sample.input_ids, sample.loss_mask)
@@ -145,10 +151,10 @@ def _build_plan(
         total, rows_per_chunk, layout.target_work_chunks, layout.min_work_chunk_tokens
     )
     # Settings validation checks this too; settings built with model_copy are not validated.
-    if max(lengths, default=0) >= settings.engine.max_model_len:
+    if max(lengths, default=0) >= max_model_len:
         raise ConfigError(
-            f"engine.max_model_len {settings.engine.max_model_len}: expected samples of at most "
-            f"{settings.engine.max_model_len - 1} tokens (vLLM samples one token after each "
+            f"engine.max_model_len {max_model_len}: expected samples of at most "
+            f"{max_model_len - 1} tokens (vLLM samples one token after each "
             f"prompt), found {max(lengths)} (data.max_length {settings.data.max_length})"
         )
     chunks, starts, total_rows = cut_chunks(

@@ -27,19 +27,22 @@ class EngineSettings(BaseModel):
         description="Compute dtype. 'auto' = the checkpoint's dtype; float32 for bit-level "
         "comparisons with HF transformers. vLLM's DeepSeek models refuse float16.",
     )
-    max_model_len: int = Field(
-        4096,
+    max_model_len: int | None = Field(
+        None,
         ge=16,
-        le=1_048_576,
+        le=4_194_304,
         description="vLLM's max_model_len: the longest sample it accepts is one token shorter "
-        "(it samples one token after each prompt).",
+        "(it samples one token after each prompt). None = the model's own limit, derived from "
+        "config.json as vLLM derives it (max positions, RoPE scaling); a larger value fails "
+        "in preflight.",
     )
-    kv_cache_memory_gib: float = Field(
-        1.0,
+    kv_cache_memory_gib: float | None = Field(
+        None,
         gt=0,
         le=4096,
-        description="KV cache size in GiB, set explicitly: by default vLLM's CPU build asks for "
-        "92% of RAM and fails.",
+        description="KV cache size in GiB. None = on GPUs vLLM's own sizing (what "
+        "gpu_memory_utilization leaves after the weights); on CPUs room for two sequences of "
+        "max_model_len tokens, at least 1 GiB (vLLM's CPU build would ask for most of RAM).",
     )
     max_num_batched_tokens: int = Field(
         8192, ge=16, le=1_048_576, description="Tokens per engine step (chunked prefill size)."
@@ -66,6 +69,14 @@ class EngineSettings(BaseModel):
         "auto",
         description="vLLM's custom rotary op. 'auto' turns it off for MLA models on CPU, where the "
         "CPU kernel is wrong for 3-D queries (measured 2.5e-2 error against HF, 1e-7 off).",
+    )
+    attention_backend: str = Field(
+        "auto",
+        pattern=r"^(auto|[A-Z][A-Z0-9_]*)$",
+        description="vLLM attention backend. 'auto' lets hsx choose one that supports the dtype "
+        "on this machine: on CPUs with AMX, vLLM's AMX MLA backend refuses float32, so float32 "
+        "MLA models get CPU_MLA there; otherwise vLLM's own choice. A name (CPU_MLA, AMX_MLA, "
+        "FLASH_ATTN, ...) forces that backend; preflight refuses a combination that cannot run.",
     )
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         "auto", description="'dummy' = random weights (the preflight probe)."
@@ -115,12 +126,13 @@ class CaptureSettings(BaseModel):
 class DataSettings(BaseModel):
     """The dataset and how it is tokenized."""
 
-    max_length: int = Field(
-        2048,
+    max_length: int | None = Field(
+        None,
         ge=8,
-        le=1_048_576,
+        le=4_194_304,
         description="Samples are truncated to this many tokens; must be below "
-        "engine.max_model_len (vLLM samples one token after each prompt).",
+        "engine.max_model_len (vLLM samples one token after each prompt). None = "
+        "engine.max_model_len - 1.",
     )
     max_samples: int | None = Field(
         None, ge=1, description="Use only the first N conversations (None = all)."
@@ -198,7 +210,11 @@ class HsxSettings(BaseSettings):
     def _samples_fit_the_engine(self) -> HsxSettings:
         # vLLM refuses a prompt that leaves no position for the token it samples after it, and
         # a refused request must not surface only after the model load.
-        if self.data.max_length >= self.engine.max_model_len:
+        if (
+            self.data.max_length is not None
+            and self.engine.max_model_len is not None
+            and self.data.max_length >= self.engine.max_model_len
+        ):
             raise ValueError(
                 f"data.max_length {self.data.max_length} must be below engine.max_model_len "
                 f"{self.engine.max_model_len} (vLLM needs one position for the token it samples "

@@ -12,7 +12,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.logging import get_run_logger
 from prefect.states import State
 
-from hsx.errors import is_retryable
+from hsx.errors import is_retryable, portable_error
 
 
 def retry_unless_fatal(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
@@ -43,7 +43,12 @@ def logged_failures(what: str) -> Iterator[logging.Logger | logging.LoggerAdapte
             else "fatal, not retried"
         )
         logger.error("%s failed (%s): %r", what, kind, exc, exc_info=True)
-        raise
+        portable = portable_error(exc)
+        if portable is exc:
+            raise
+        # Prefect stores a failed task's exception as its result, by pickling it: one that does
+        # not pickle (pydantic's ValidationError) would log a serializer warning instead.
+        raise portable from None
 
 
 def describe(exc: BaseException) -> str:

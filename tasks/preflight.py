@@ -41,7 +41,11 @@ def _raise_on_failure(report: PreflightReport, stage: str) -> None:
 def signature_validation_task(settings: HsxSettings) -> dict[str, Any]:
     with logged_failures("signature validation") as logger:
         results, _ = static_checks(
-            settings.model, settings.capture, settings.engine, settings.store
+            settings.model,
+            settings.capture,
+            settings.engine,
+            settings.store,
+            max_length=settings.data.max_length,
         )
         report = _report(settings, results, "hsx-preflight-static")
         for result in results:

@@ -38,7 +38,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 from hsx.engine.options import CONNECTOR_NAME
+from hsx.engine.platform import request_amx
 from hsx.local_io import aligned_cpu_tensor
+
+# vLLM imports this module in the engine core's own process too (engine.in_process=False):
+# ask Linux for AMX there before the model's first kernel runs.
+request_amx()
 
 # Sinks registered in this process: sink_id -> callable(key, hidden_states [tokens, K, H]).
 HiddenStateSink = Callable[[str, torch.Tensor], None]

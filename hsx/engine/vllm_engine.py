@@ -27,6 +27,7 @@ import torch
 
 from hsx.engine import connector as hsx_connector
 from hsx.engine.options import engine_kwargs, resolve_dtype
+from hsx.engine.platform import enable_fault_reports, request_amx
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.plan import read_config, text_config
 from settings import EngineSettings
@@ -76,7 +77,12 @@ class VllmHiddenStateEngine:
         self._failure: BaseException | None = None
         self._closed = False
         self._ready: Future[None] = Future()
-        kwargs = engine_kwargs(model_dir, engine, self.layer_ids, self._sink_id, self._spool)
+        kwargs = engine_kwargs(
+            model_dir, engine, self.layer_ids, self._sink_id, self._spool, config=config
+        )
+        self.attention_backend = kwargs.get("attention_backend")
+        enable_fault_reports()  # a fatal signal in a kernel prints every thread's traceback
+        request_amx()
         started = time.perf_counter()
         # The driver thread builds the engine and is the only thread that ever touches it: vLLM's
         # CPU worker binds the thread that initialized it, and its kernels measured ~30% slower
@@ -122,15 +128,20 @@ class VllmHiddenStateEngine:
         return [future.result() for future in self.submit(prompts)]
 
     def _drive(self, kwargs: dict[str, Any]) -> None:
-        from vllm import LLM, SamplingParams
-
         try:
+            # Before any vLLM kernel runs in this process: an AMX instruction executed before
+            # Linux granted AMX kills the process with SIGILL and no traceback.
+            request_amx()
+            from vllm import LLM
+
             self._llm = LLM(**kwargs)
         except BaseException as exc:
             self._failure = exc
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
+        from vllm import SamplingParams
+
         engine = self._llm.llm_engine
         # One sampled token ends a request; its text is never needed, nor is the token: greedy is
         # the cheapest sampler (under extract_hidden_states vLLM samples through its rejection

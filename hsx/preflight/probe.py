@@ -175,6 +175,10 @@ def run_probe(
                 "kv_cache_memory_gib": 0.25,
                 "load_format": "auto" if hf_model is not None else "dummy",
                 "tensor_parallel_size": 1,
+                # The probe compares with HF in float32, which AMX's MLA backend refuses.
+                "attention_backend": "CPU_MLA"
+                if engine.attention_backend == "AMX_MLA"
+                else engine.attention_backend,
             }
         )
         settings = HsxSettings(

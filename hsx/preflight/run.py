@@ -78,6 +78,7 @@ def static_checks(
     engine: EngineSettings,
     store_url: str | None = None,
     dataset_tokens: int | None = None,
+    max_length: int | None = None,
 ) -> tuple[list[CheckResult], dict[str, Any]]:
     """Every check that needs no engine. Returns (results, context for the probe)."""
     from hsx.preflight.contract import capture_id_range, check_capture_contract, check_tokenizer
@@ -110,6 +111,14 @@ def static_checks(
 
     results.append(_guarded("contract", contract))
     results.append(_guarded("tokenizer", lambda: check_tokenizer(model_dir)))
+
+    def engine_options() -> CheckResult:
+        from hsx.preflight.engine_check import check_engine_options
+
+        captured = len(context.get("layer_ids", ())) or 4
+        return check_engine_options(model_dir, config, engine, captured, max_length)
+
+    results.append(_guarded("engine", engine_options))
 
     def signatures() -> CheckResult:
         from hsx.engine.connector import HsxHiddenStatesConnector
@@ -177,15 +186,18 @@ def run_preflight(
     probe: bool = True,
     store_url: str | None = None,
     dataset_tokens: int | None = None,
+    max_length: int | None = None,
 ) -> PreflightReport:
     capture = capture or CaptureSettings()
     engine = engine or EngineSettings()
-    results, context = static_checks(model_dir, capture, engine, store_url, dataset_tokens)
+    results, context = static_checks(
+        model_dir, capture, engine, store_url, dataset_tokens, max_length
+    )
     if probe:
         blocking = [
             r
             for r in results
-            if r.status == Status.FAIL and r.check in ("config", "resolve", "contract")
+            if r.status == Status.FAIL and r.check in ("config", "resolve", "contract", "engine")
         ]
         if blocking:
             results.append(

@@ -1,0 +1,93 @@
+"""What the machine offers the engine: the CPU's AMX, Linux's per-process AMX permission, and
+names for the signals an engine process can die of.
+
+Linux hands out AMX tile state per process, on request (``arch_prctl(ARCH_REQ_XCOMP_PERM)``);
+an AMX instruction run before anyone asked faults with SIGILL, and the process dies without a
+Python traceback. vLLM's CPU kernels use AMX on CPUs that have it, and whether torch asked first
+depends on which thread initialised what (measured: an engine built in a fresh thread of a fresh
+process died with SIGILL, exit 132; ``torch.cpu._init_amx()`` first made it pass). So hsx asks
+before any engine is built, in every process that builds one.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import logging
+import signal
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (vLLM's CPU build then picks its AMX kernels)."""
+    return "amx_tile" in cpu_flags()
+
+
+_AMX_REQUESTED: bool | None = None
+
+
+def request_amx() -> bool:
+    """Ask Linux for AMX tile state for this process, once; True when granted.
+
+    Idempotent and cheap; a no-op (False) on CPUs without AMX. Call it before building an
+    engine, in the process that builds it (the permission is per process, for all its threads)."""
+    global _AMX_REQUESTED
+    if _AMX_REQUESTED is not None:
+        return _AMX_REQUESTED
+    granted = False
+    if cpu_has_amx():
+        import torch
+
+        init = getattr(torch.cpu, "_init_amx", None)
+        if init is None:
+            logger.warning(
+                "this CPU has AMX but torch %s has no torch.cpu._init_amx: AMX not requested",
+                torch.__version__,
+            )
+        else:
+            granted = bool(init())
+            if not granted:
+                logger.warning("this CPU has AMX but Linux refused the AMX permission request")
+    _AMX_REQUESTED = granted
+    return granted
+
+
+def enable_fault_reports() -> None:
+    """A fatal signal (SIGSEGV, SIGILL, SIGBUS, SIGFPE, SIGABRT) prints the Python traceback of
+    every thread to stderr before the process dies, instead of a bare shell message."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def exit_description(returncode: int | None) -> str:
+    """How a child process ended, in words: 'exit code 2', 'killed by SIGILL (illegal
+    instruction)'. Handles both Popen's negative codes and a shell's 128+N."""
+    if returncode is None:
+        return "still running"
+    number = -returncode if returncode < 0 else returncode - 128 if 128 < returncode < 160 else 0
+    if number:
+        try:
+            sig = signal.Signals(number)
+        except ValueError:
+            return f"exit code {returncode}"
+        meaning = signal.strsignal(sig) or sig.name
+        return f"killed by {sig.name} ({meaning.lower()})"
+    return f"exit code {returncode}"

@@ -44,14 +44,18 @@ class RunSpec:
     layer_ids: tuple[int, ...]
     engine_dtype: str
     stored_dtype: str
+    settings: HsxSettings  # with the model-derived defaults filled in (hsx.limits)
 
 
 def run_spec(settings: HsxSettings) -> RunSpec:
     config = read_config(settings.model)
-    resolve_lengths(settings, config)  # a length the model cannot take fails here, in seconds
+    # A length the model cannot take fails here, in seconds.
+    resolved = resolve_lengths(settings, config)
     layer_ids = resolve_layer_ids(settings, config)
     engine_dtype = resolve_dtype(settings.engine, config)
-    return RunSpec(config, layer_ids, engine_dtype, logical_dtype(settings, engine_dtype))
+    return RunSpec(
+        config, layer_ids, engine_dtype, logical_dtype(settings, engine_dtype), resolved
+    )
 
 
 def resolve_settings(settings: HsxSettings) -> HsxSettings:
@@ -88,6 +92,7 @@ def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
     # Planning reads every line: the first bad one fails the run here, before any load and before
     # anything is written (the CLI also validates before Prefect starts).
     spec = run_spec(settings)
+    settings = spec.settings
     check_store_url(settings.store)
     tokenizer = _tokenizer(str(settings.model))
     plan = build_plan(settings, tokenizer, spec.config, spec.layer_ids, spec.stored_dtype)
@@ -181,6 +186,7 @@ def extract_work_chunk(
     from hsx.engine.vllm_engine import drop_engine, get_engine  # imports vLLM: only here
 
     spec = run_spec(settings)
+    settings = spec.settings
     engine = get_engine(settings.model, settings.engine, spec.layer_ids)
     try:
         return extract_chunk(store, chunk, engine, settings.engine.batch_tokens, context)

@@ -53,9 +53,7 @@ def run_spec(settings: HsxSettings) -> RunSpec:
     resolved = resolve_lengths(settings, config)
     layer_ids = resolve_layer_ids(settings, config)
     engine_dtype = resolve_dtype(settings.engine, config)
-    return RunSpec(
-        config, layer_ids, engine_dtype, logical_dtype(settings, engine_dtype), resolved
-    )
+    return RunSpec(config, layer_ids, engine_dtype, logical_dtype(settings, engine_dtype), resolved)
 
 
 def resolve_settings(settings: HsxSettings) -> HsxSettings:

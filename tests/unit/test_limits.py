@@ -13,8 +13,8 @@ from hsx.engine.options import (
     AMX_MLA,
     CPU_MLA,
     choose_attention_backend,
-    kv_cache_bytes,
     kv_bytes_per_token,
+    kv_cache_bytes,
 )
 from hsx.errors import ConfigError
 from hsx.limits import model_max_len, resolve_lengths

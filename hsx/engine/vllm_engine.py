@@ -25,9 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from hsx import timings
 from hsx.engine import connector as hsx_connector
 from hsx.engine.options import engine_kwargs, resolve_dtype
 from hsx.engine.platform import enable_fault_reports, request_amx
+from hsx.engine.results import ResultRendezvous
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.plan import read_config, text_config
 from settings import EngineSettings
@@ -63,9 +65,13 @@ class VllmHiddenStateEngine:
         self._sink_id = f"hsx-{uuid.uuid4().hex}"
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._spool = tempfile.mkdtemp(prefix="hsx-spool-", dir=shm)
-        self._results: dict[str, torch.Tensor] = {}
+        # Rows and finished requests meet here, in either order (copies are asynchronous on
+        # GPUs; a child engine process delivers through spool files).
+        self._rendezvous = ResultRendezvous(
+            self._check, spool_dir=None if engine.in_process else self._spool
+        )
         if engine.in_process:
-            hsx_connector.register_sink(self._sink_id, self._results.__setitem__)
+            hsx_connector.register_sink(self._sink_id, self._rendezvous.deliver)
         # Read by vLLM when the engine is built: in-process core (fast start) or a child process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine.in_process else "1"
         # One item per submitted batch: the driver takes a whole batch per queue operation
@@ -162,13 +168,13 @@ class VllmHiddenStateEngine:
                         return
                     self._add_batch(engine, item, params)
                     block = False
-                for output in engine.step():
+                started = time.perf_counter()
+                outputs = engine.step()
+                timings.add("engine_step", time.perf_counter() - started)
+                for output in outputs:
                     if output.finished and output.request_id in self._waiting:
                         tokens, future, engine_id = self._waiting.pop(output.request_id)
-                        try:
-                            future.set_result(self._take(engine_id, tokens))
-                        except EngineError as exc:
-                            future.set_exception(exc)
+                        self._rendezvous.expect(engine_id, tokens, future)
         except BaseException as exc:  # the engine died: fail every waiter, keep the cause
             self._failure = exc
             logger.error("vLLM engine driver failed: %r", exc, exc_info=True)
@@ -216,20 +222,9 @@ class VllmHiddenStateEngine:
         for future in unfinished:
             if not future.done():
                 future.set_exception(error)
+        self._rendezvous.fail_all(error)
 
-    def _take(self, key: str, expected_tokens: int) -> torch.Tensor:
-        rows = self._results.pop(key, None)
-        if rows is None:
-            path = hsx_connector.spool_path(self._spool, key)
-            if path.exists():
-                from safetensors.torch import load_file
-
-                rows = load_file(str(path))["hidden_states"]
-                path.unlink()
-        if rows is None:
-            raise EngineError(
-                f"request {key}: expected hidden states from the connector, found none"
-            )
+    def _check(self, key: str, expected_tokens: int, rows: torch.Tensor) -> torch.Tensor:
         expected = (expected_tokens, len(self.layer_ids), self.hidden_size)
         if tuple(rows.shape) != expected:
             raise EngineError(
@@ -255,6 +250,7 @@ class VllmHiddenStateEngine:
         if self._driver.is_alive():
             self._driver.join(timeout=120)
         self._fail_waiters(EngineError("engine closed"))
+        self._rendezvous.close()
         hsx_connector.unregister_sink(self._sink_id)
         for leftover in Path(self._spool).glob("*"):
             leftover.unlink(missing_ok=True)

@@ -72,6 +72,38 @@ def connector_field_problems() -> list[str]:
     return problems
 
 
+# Keyword arguments hsx passes to vllm.LLM (hsx.engine.options.engine_kwargs): each must be a
+# field of the installed vLLM's EngineArgs, or engine start fails after the model load.
+ENGINE_ARGUMENTS = (
+    "model",
+    "tokenizer",
+    "dtype",
+    "max_model_len",
+    "enable_prefix_caching",
+    "kv_cache_memory_bytes",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "tensor_parallel_size",
+    "enforce_eager",
+    "seed",
+    "load_format",
+    "speculative_config",
+    "kv_transfer_config",
+    "attention_backend",
+    "compilation_config",
+)
+
+
+def engine_argument_problems() -> list[str]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    present = {f.name for f in fields(EngineArgs)}
+    missing = [name for name in ENGINE_ARGUMENTS if name not in present]
+    if not missing:
+        return []
+    return [f"vllm EngineArgs: hsx passes {missing}; found no such fields in this vLLM"]
+
+
 def static_checks(
     model_dir: Path,
     capture: CaptureSettings,
@@ -126,7 +158,11 @@ def static_checks(
         result = check_signatures(
             resolved, default_call_sites(), kv_connector=HsxHiddenStatesConnector
         )
+        from hsx.engine.vllm_compat import connector_contract_problems
+
         extra = connector_field_problems()
+        extra += connector_contract_problems(HsxHiddenStatesConnector)
+        extra += engine_argument_problems()
         if extra:
             return CheckResult(
                 "signatures", Status.FAIL, extra[0], tuple(extra[1:]) + result.details

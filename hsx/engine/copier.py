@@ -1,0 +1,141 @@
+"""Getting a step's hidden-state rows out of the engine's cache without stalling the engine.
+
+CPU: one ``index_select`` of whole blocks straight into a page-aligned host buffer (measured
+3x faster than indexing token slots, 2x faster than a copy per request), inside the step.
+
+GPU: the gather runs on the engine's stream (it must see the drafter's writes, and the blocks
+are reused by later steps of that stream); the copy to pinned host memory runs on a side
+stream, and a completion thread waits for it and delivers the rows. The engine step returns at
+once: measured on the H200, a synchronous copy into pageable memory inside the step held hsx
+at about half of plain prefill. Pinned buffers come from torch's caching host allocator, which
+reuses them once freed; host memory is bounded by the batches hsx keeps queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from hsx import timings
+from hsx.local_io import aligned_cpu_tensor
+
+logger = logging.getLogger(__name__)
+
+Deliver = Callable[[str, "torch.Tensor | BaseException"], None]
+
+
+class Job(Protocol):
+    key: str
+    num_tokens: int
+
+
+def spool_path(spool_dir: str | Path, key: str) -> Path:
+    return Path(spool_dir) / f"{key}.safetensors"
+
+
+def write_spool_file(spool_dir: str, key: str, rows: torch.Tensor) -> None:
+    """One request's rows as a safetensors file in the spool (shared memory on /dev/shm),
+    written under a temporary name and renamed: a reader never sees half a file."""
+    from safetensors.torch import save_file
+
+    final = spool_path(spool_dir, key)
+    temp = final.with_name(final.name + f".tmp{os.getpid()}")
+    try:
+        save_file({"hidden_states": rows.contiguous()}, str(temp))
+        os.replace(temp, final)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def gather_rows_on_cpu(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Blocks ``index`` of ``cache`` [blocks, block_size, K, H] as rows [rows, K, H]."""
+    started = time.perf_counter()
+    _, block_size, layers, hidden = cache.shape
+    # Page-aligned: the writer can write whole Zarr chunks of these rows with O_DIRECT
+    # straight from this buffer.
+    rows = aligned_cpu_tensor((index.numel(), block_size, layers, hidden), cache.dtype)
+    torch.index_select(cache, 0, index, out=rows)
+    flat = rows.view(index.numel() * block_size, layers, hidden)
+    timings.add("d2h_copy", time.perf_counter() - started, flat.nbytes)
+    return flat
+
+
+@dataclass
+class _InFlight:
+    done: Any  # torch.cuda.Event recorded on the copy stream after the copy
+    host: torch.Tensor  # [rows, K, H] pinned
+    device: torch.Tensor  # the gathered rows, kept alive until the copy is done
+    jobs: Sequence[Job]
+    row_starts: Sequence[int]
+    submitted: float
+
+
+class DeviceToHostCopier:
+    """Asynchronous device-to-host copies of gathered rows, delivered in submission order."""
+
+    def __init__(self, device: torch.device, deliver: Deliver) -> None:
+        self._device = device
+        self._deliver = deliver
+        self._stream = torch.cuda.Stream(device=device)
+        self._pending: queue.Queue[_InFlight | None] = queue.Queue()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._complete, name="hsx-d2h-complete", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        cache: torch.Tensor,
+        index: torch.Tensor,
+        jobs: Sequence[Job],
+        row_starts: Sequence[int],
+    ) -> None:
+        """Queue the copy of blocks ``index`` of ``cache`` [blocks, block_size, K, H]."""
+        if self._failure is not None:
+            raise RuntimeError(f"device-to-host copier failed earlier: {self._failure!r}")
+        started = time.perf_counter()
+        _, block_size, layers, hidden = cache.shape
+        gathered = torch.index_select(cache, 0, index)  # on the engine's stream
+        flat = gathered.view(index.numel() * block_size, layers, hidden)
+        ready = torch.cuda.Event()
+        ready.record()  # the gather, in the engine's stream order
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        # The caching allocator must not hand the gathered memory to the engine's stream
+        # before the side stream has read it.
+        flat.record_stream(self._stream)
+        self._pending.put(_InFlight(done, host, flat, jobs, row_starts, started))
+        timings.add("d2h_submit", time.perf_counter() - started, flat.nbytes)
+
+    def _complete(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            try:
+                item.done.synchronize()
+                timings.add("d2h_copy", time.perf_counter() - item.submitted, item.host.nbytes)
+                del item.device
+                for job, start in zip(item.jobs, item.row_starts, strict=True):
+                    self._deliver(job.key, item.host[start : start + job.num_tokens])
+            except BaseException as exc:  # the waiters of these requests get the error
+                self._failure = exc
+                logger.error("hidden-state copy failed: %r", exc, exc_info=True)
+                for job in item.jobs:
+                    self._deliver(job.key, exc)
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._thread.join(timeout=30)

@@ -1,0 +1,98 @@
+"""The vLLM contracts hsx's connector relies on, detected from what the installed vLLM offers
+(not from version strings), and checked by preflight without building an engine.
+
+Seen between vLLM 0.26 (the H200's) and 0.32 (CPU here):
+- KV cache layout names: 0.26 knows "NHD"/"HND" (``KVCacheLayoutType``); 0.32 has the
+  ``KVCacheLayout`` enum (LBNHC, LBHNC, ...) and keeps "NHD"/"HND" as aliases. A name the
+  installed vLLM does not know fails engine start after the model load (0.26: "Unknown cache
+  layout format LBNHC."), so the connector asks for "NHD", valid in both, and preflight checks.
+- The cache-only hidden-state layer's cache: 0.26's backend declares ``get_kv_cache_shape`` =
+  ``[blocks, block_size, K, H]``; 0.32 allocates logical ``[blocks, K, block_size, H]`` views
+  (no such method). Reading one as the other swaps tokens and layers silently.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable
+from typing import Any
+
+# What hsx's connector asks for: token-major in both versions (0.32 maps it to LBNHC).
+HIDDEN_STATE_LAYOUT = "NHD"
+
+# The cache's axis orders hsx can read: blocks first, then tokens/layers in either order.
+TOKENS_FIRST = "blocks, block_size, K, H"
+LAYERS_FIRST = "blocks, K, block_size, H"
+
+
+def known_layout_names() -> tuple[str, ...]:
+    """KV cache layout names the installed vLLM accepts from a connector."""
+    names: list[str] = []
+    try:  # vLLM 0.3x
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        names += [member.name for member in KVCacheLayout]
+        try:
+            from vllm.config.cache import _LAYOUT_COMPAT_ALIASES
+
+            names += list(_LAYOUT_COMPAT_ALIASES)
+        except ImportError:
+            pass
+    except ImportError:
+        pass
+    # vLLM 0.26: a Literal of the names
+    from vllm.distributed.kv_transfer.kv_connector import utils as connector_utils
+
+    literal = getattr(connector_utils, "KVCacheLayoutType", None)
+    if literal is not None:
+        names += [str(arg) for arg in typing.get_args(literal)]
+    return tuple(dict.fromkeys(names))
+
+
+def _cache_only_shape_fn() -> Callable[..., tuple[int, ...]] | None:
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionBackend
+
+    fn = getattr(CacheOnlyAttentionBackend, "get_kv_cache_shape", None)
+    return typing.cast(Callable[..., tuple[int, ...]] | None, fn)
+
+
+def hidden_state_cache_order(
+    shape_fn: Callable[..., tuple[int, ...]] | str | None = "installed",
+) -> str:
+    """The axis order of the cache-only layer's cache in the installed vLLM (TOKENS_FIRST or
+    LAYERS_FIRST); ValueError naming what was found when it is neither."""
+    fn = _cache_only_shape_fn() if isinstance(shape_fn, str) else shape_fn
+    if fn is None:
+        return LAYERS_FIRST  # 0.3x: logical [blocks, K(heads), block_size, H] views
+    blocks, block_size, layers, hidden = 7, 16, 3, 40  # distinct sizes: the order is readable
+    found = tuple(fn(blocks, block_size, layers, hidden))
+    if found == (blocks, block_size, layers, hidden):
+        return TOKENS_FIRST
+    if found == (blocks, layers, block_size, hidden):
+        return LAYERS_FIRST
+    raise ValueError(
+        f"the hidden-state cache's shape: expected [{TOKENS_FIRST}] = "
+        f"{(blocks, block_size, layers, hidden)} or [{LAYERS_FIRST}] = "
+        f"{(blocks, layers, block_size, hidden)}, found {found}"
+    )
+
+
+def connector_contract_problems(
+    connector: type[Any], shape_fn: Callable[..., tuple[int, ...]] | str | None = "installed"
+) -> list[str]:
+    """What the installed vLLM would refuse or misread of ``connector``, one line each."""
+    problems: list[str] = []
+    layout = connector.get_required_kvcache_layout(None)
+    if layout is not None:
+        known = known_layout_names()
+        if layout not in known:
+            problems.append(
+                f"{connector.__name__}.get_required_kvcache_layout: asks for KV cache layout "
+                f"{layout!r}, which this vLLM does not know: expected one of {list(known)}, "
+                f"found {layout!r} (engine start would fail after the model load)"
+            )
+    try:
+        hidden_state_cache_order(shape_fn)
+    except ValueError as exc:
+        problems.append(f"{connector.__name__}: {exc}")
+    return problems

@@ -1,0 +1,60 @@
+"""The vLLM contracts the connector relies on, checked without an engine (issue 10, finding 1:
+on vLLM 0.26 the connector asked for the layout "LBNHC", which only 0.3x knows, and engine
+start failed after the model load while preflight's static checks passed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsx.engine.connector import HsxHiddenStatesConnector
+from hsx.engine.vllm_compat import (
+    HIDDEN_STATE_LAYOUT,
+    LAYERS_FIRST,
+    TOKENS_FIRST,
+    connector_contract_problems,
+    hidden_state_cache_order,
+    known_layout_names,
+)
+from hsx.preflight.report import Status
+from hsx.preflight.run import static_checks
+from settings import CaptureSettings, EngineSettings
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+class LayoutFromAnotherVllm(HsxHiddenStatesConnector):
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: object) -> str | None:
+        return "LBNHC_NEXT"  # a name some other vLLM release might use
+
+
+def test_the_connectors_layout_is_known_to_the_installed_vllm() -> None:
+    assert HIDDEN_STATE_LAYOUT in known_layout_names()
+    assert connector_contract_problems(HsxHiddenStatesConnector) == []
+
+
+def test_an_unknown_layout_fails_naming_both() -> None:
+    problems = connector_contract_problems(LayoutFromAnotherVllm)
+    assert len(problems) == 1
+    assert "'LBNHC_NEXT'" in problems[0] and "expected one of" in problems[0]
+    assert "NHD" in problems[0]  # what this vLLM knows
+
+
+def test_cache_axis_order_is_read_from_the_backend() -> None:
+    assert hidden_state_cache_order(lambda b, n, k, h: (b, n, k, h)) == TOKENS_FIRST  # 0.26
+    assert hidden_state_cache_order(lambda b, n, k, h: (b, k, n, h)) == LAYERS_FIRST
+    assert hidden_state_cache_order(None) == LAYERS_FIRST  # 0.3x: no shape method
+    problems = connector_contract_problems(
+        HsxHiddenStatesConnector, shape_fn=lambda b, n, k, h: (b, h, k, n)
+    )
+    assert len(problems) == 1 and "expected [blocks, block_size, K, H]" in problems[0]
+    assert "found (7, 40, 3, 16)" in problems[0]
+
+
+def test_static_preflight_checks_the_contracts(tiny_llama: object) -> None:
+    results, _ = static_checks(tiny_llama, CaptureSettings(), EngineSettings())  # type: ignore[arg-type]
+    by_check = {r.check: r for r in results}
+    assert by_check["signatures"].status == Status.PASS, by_check["signatures"].summary
+    engine = by_check["engine"]
+    assert engine.status == Status.PASS and "max_model_len 2048" in engine.summary
+    assert any("attention backend" in line for line in engine.details)

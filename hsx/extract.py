@@ -25,6 +25,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 import torch
 
+from hsx import timings
 from hsx.checksums import ALGORITHM, digest, new_hasher, update_digest
 from hsx.dataset import TokenizedSample
 from hsx.errors import StoreError
@@ -256,7 +257,8 @@ class ChunkWriter:
     def _write(self, name: str, row_start: int, rows: np.ndarray, staged: bool) -> None:
         """Write one Zarr chunk (in an I/O thread); a staging buffer goes back to the pool."""
         try:
-            self.store.write_chunk(name, row_start, rows)
+            with timings.timed("write", rows.nbytes):
+                self.store.write_chunk(name, row_start, rows)
         finally:
             _WRITE_BUDGET.release(rows.nbytes)
             if staged:
@@ -297,6 +299,13 @@ class ChunkWriter:
                 f"{self.chunk.name}: expected to end at row {self.chunk.row_end}, ended at {self._next_row}"
             )
         return {name: list(digests) for name, digests in self._digests.items()}
+
+
+def _timed_append(
+    writer: ChunkWriter, batch: Sequence[TokenizedSample], states: Sequence[torch.Tensor]
+) -> None:
+    with timings.timed("append", sum(int(s.nbytes) for s in states)):
+        writer.append(batch, states)
 
 
 def chunk_samples(
@@ -359,7 +368,7 @@ def extract_chunk(
         states = [future.result() for future in futures]
         if pending is not None:
             pending.result()  # keeps rows in order and at most one batch waiting
-        pending = _APPEND_POOL.submit(writer.append, batch, states)
+        pending = _APPEND_POOL.submit(_timed_append, writer, batch, states)
         if progress is not None:
             progress(sum(sample.num_tokens for sample in batch))
 
@@ -400,5 +409,6 @@ def extract_chunk(
         seconds=round(time.perf_counter() - started, 4),
         extra=dict(context.extra or {}),
     )
-    store.write_commit(record)  # last: until now the chunk does not exist for readers
+    with timings.timed("commit"):
+        store.write_commit(record)  # last: until now the chunk does not exist for readers
     return record

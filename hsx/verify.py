@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hsx.checksums import ALGORITHM, digest
 from hsx.errors import StoreError
-from hsx.store import ROW_ARRAYS, ExtractionStore
+from hsx.plan import WorkChunk
+from hsx.store import ROW_ARRAYS, CommitRecord, ExtractionStore
 
 
 @dataclass
@@ -41,71 +43,96 @@ class VerifyReport:
         )
 
 
+# Chunks verified at once: reads of storage objects overlap (each thread reads one object at a
+# time, so memory stays at READERS objects); xxh3 runs at tens of GB/s and releases the GIL.
+# Measured: one reader read a local store at 0.4 of a raw parallel read.
+READERS = 8
+
+
+@dataclass
+class _ChunkResult:
+    problems: list[ChunkProblem] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+def _verify_chunk(
+    store: ExtractionStore, chunk: WorkChunk, record: CommitRecord, step: int
+) -> _ChunkResult:
+    result = _ChunkResult()
+    if record.checksum_algorithm != ALGORITHM:
+        result.problems.append(
+            ChunkProblem(
+                chunk.index,
+                f"expected checksum algorithm {ALGORITHM}, found {record.checksum_algorithm}",
+            )
+        )
+        return result
+    if (record.row_start, record.row_end) != (chunk.row_start, chunk.row_end):
+        result.problems.append(
+            ChunkProblem(
+                chunk.index,
+                f"expected rows [{chunk.row_start}, {chunk.row_end}), commit says [{record.row_start}, {record.row_end})",
+            )
+        )
+        return result
+    for name in ROW_ARRAYS:
+        stored = list(record.checksums.get(name, []))
+        objects = (chunk.row_end - chunk.row_start) // step
+        if len(stored) != objects:
+            result.problems.append(
+                ChunkProblem(
+                    chunk.index,
+                    f"{name}: expected {objects} checksums in the commit, found {len(stored)}",
+                )
+            )
+            continue
+        for position, row in enumerate(range(chunk.row_start, chunk.row_end, step)):
+            try:
+                rows = store.read_rows(name, row, row + step)  # one storage object at a time
+            except StoreError as exc:  # a missing or truncated object
+                result.problems.append(ChunkProblem(chunk.index, str(exc)))
+                continue
+            result.bytes_read += rows.nbytes
+            computed = digest(rows)
+            if computed != stored[position]:
+                result.problems.append(
+                    ChunkProblem(
+                        chunk.index,
+                        f"{name} rows [{row}, {row + step}): stored and computed checksum do not "
+                        f"match. Stored: {stored[position]} Computed: {computed}",
+                    )
+                )
+    return result
+
+
 def verify_store(
     store: ExtractionStore,
     only: set[int] | None = None,
     progress: Callable[[int], None] | None = None,
+    readers: int = READERS,
 ) -> VerifyReport:
-    """Hash each committed chunk's regions, one Zarr chunk of rows at a time (bounded memory)."""
+    """Hash each committed chunk's objects against its commit record, ``readers`` chunks at a
+    time, one storage object per reader at a time (bounded memory)."""
     chunks = [c for c in store.work_chunks if only is None or c.index in only]
     report = VerifyReport(url=store.url, chunks_planned=len(chunks))
     commits = store.committed_chunks()
     step = int(store.meta["rows_per_chunk"])
+    committed = []
     for chunk in chunks:
         record = commits.get(chunk.index)
         if record is None:
             report.missing.append(chunk.index)
-            continue
-        report.chunks_committed += 1
-        if record.checksum_algorithm != ALGORITHM:
-            report.problems.append(
-                ChunkProblem(
-                    chunk.index,
-                    f"expected checksum algorithm {ALGORITHM}, found {record.checksum_algorithm}",
-                )
-            )
-            continue
-        if (record.row_start, record.row_end) != (chunk.row_start, chunk.row_end):
-            report.problems.append(
-                ChunkProblem(
-                    chunk.index,
-                    f"expected rows [{chunk.row_start}, {chunk.row_end}), commit says [{record.row_start}, {record.row_end})",
-                )
-            )
-            continue
-        bad = False
-        for name in ROW_ARRAYS:
-            stored = list(record.checksums.get(name, []))
-            objects = (chunk.row_end - chunk.row_start) // step
-            if len(stored) != objects:
-                bad = True
-                report.problems.append(
-                    ChunkProblem(
-                        chunk.index,
-                        f"{name}: expected {objects} checksums in the commit, found {len(stored)}",
-                    )
-                )
-                continue
-            for position, row in enumerate(range(chunk.row_start, chunk.row_end, step)):
-                try:
-                    rows = store.read_rows(name, row, row + step)  # one storage object at a time
-                except StoreError as exc:  # a missing or truncated object
-                    bad = True
-                    report.problems.append(ChunkProblem(chunk.index, str(exc)))
-                    continue
-                report.bytes_read += rows.nbytes
-                computed = digest(rows)
-                if computed != stored[position]:
-                    bad = True
-                    report.problems.append(
-                        ChunkProblem(
-                            chunk.index,
-                            f"{name} rows [{row}, {row + step}): stored and computed checksum do not "
-                            f"match. Stored: {stored[position]} Computed: {computed}",
-                        )
-                    )
-        if not bad:
-            report.chunks_verified += 1
-        if progress is not None:
-            progress(1)
+        else:
+            committed.append((chunk, record))
+    report.chunks_committed = len(committed)
+    with ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="hsx-verify") as pool:
+        futures = [pool.submit(_verify_chunk, store, c, r, step) for c, r in committed]
+        for future in futures:  # in chunk order: the report lists problems in order
+            result = future.result()
+            report.bytes_read += result.bytes_read
+            report.problems += result.problems
+            if not result.problems:
+                report.chunks_verified += 1
+            if progress is not None:
+                progress(1)
     return report

@@ -1,0 +1,372 @@
+"""GPU benchmark, in one call on the lent H200 (../shared/gpu/README.md brings vLLM there):
+hsx extraction against plain prefill on the same engine settings and the same tokens, the
+store on /dev/shm (memory: no disk limit) and on the local disk, for both engine homes
+(in-process and child process), `verify` against a raw read of the same files, a raw write
+with hsx's concurrency, and where hsx's time goes (engine step, device-to-host copy, append =
+copy + hash into staging, write, commit).
+
+    python bench/bench_gpu.py [--conversations 800] [--config tests/fixtures/configs/llama-3.1-8b]
+        [--disk-dir /var/tmp/hsx-bench] [--sides plain,inproc,child] [--tiny]
+
+Each side runs in its own process (a GPU engine's memory is only surely freed when its process
+ends); every side processes the same token ids, asserted. Plain prefill gets its best case: one
+``generate`` over all prompts (the engine never drains between calls). hsx's timed pass is the
+whole job: planning (tokenize, write ids and masks), extraction, checksums and commits.
+``--tiny`` runs the same on the CPU with the tiny Llama (to test this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The multi-GPU docs: NVLink multicast stays off in every process hsx starts.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
+def settings_for(args: argparse.Namespace, store: str, in_process: bool) -> Any:
+    from settings import HsxSettings
+
+    engine: dict[str, Any] = {"dtype": "bfloat16", "in_process": in_process}
+    if args.tiny:
+        engine |= {"max_model_len": 2048, "kv_cache_memory_gib": 0.5}
+        data = {"max_length": 2047}
+    else:
+        engine |= {
+            "max_model_len": 4096,
+            "kv_cache_memory_gib": 40,
+            "max_num_batched_tokens": 16384,
+            "batch_tokens": 65536,
+            "load_format": "dummy",
+        }
+        data = {"max_length": 4095}
+    return HsxSettings(
+        model=Path(args.model_dir),
+        dataset=Path(args.dataset),
+        store=store,
+        engine=engine,
+        data=data,
+        run={"preflight": False},
+    )
+
+
+def tokenized(settings: Any) -> list[Any]:
+    from hsx.dataset import iter_conversations, tokenize_conversation
+    from hsx.planning import load_tokenizer
+
+    tokenizer = load_tokenizer(settings.model)
+    return [
+        tokenize_conversation(tokenizer, c.messages, settings.data.max_length)
+        for c in iter_conversations(settings.dataset)
+    ]
+
+
+def side_plain(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from hsx.engine.options import engine_kwargs
+
+    settings = settings_for(args, "memory://unused", True)
+    kwargs = engine_kwargs(settings.model, settings.engine, (2,), "unused", "")
+    kwargs.pop("speculative_config")
+    kwargs.pop("kv_transfer_config")
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    load = time.perf_counter() - started
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+    passes = []
+    for _ in range(args.passes):
+        started = time.perf_counter()
+        samples = tokenized(settings)
+        tokenize_s = time.perf_counter() - started
+        prompts = [TokensPrompt(prompt_token_ids=s.input_ids.tolist()) for s in samples]
+        gen_started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)  # one call: the engine never drains
+        generate_s = time.perf_counter() - gen_started
+        tokens = sum(s.num_tokens for s in samples)
+        passes.append(
+            {
+                "tokens": tokens,
+                "seconds": tokenize_s + generate_s,
+                "generate_seconds": generate_s,
+                "tokens_per_s": tokens / (tokenize_s + generate_s),
+                "generate_tokens_per_s": tokens / generate_s,
+            }
+        )
+    return {"side": "plain", "load_seconds": load, "passes": passes}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def drop_page_cache(files: list[Path]) -> None:
+    """Evict the files from the page cache, so a read measures the store, not memory (on
+    /dev/shm the files are memory and stay)."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(path: Path, threads: int) -> float:
+    """Seconds to read every file under ``path`` with ``threads`` readers (the verify baseline)."""
+    files = [f for f in path.rglob("*") if f.is_file()]
+    drop_page_cache(files)
+
+    def read(file: Path) -> int:
+        with open(file, "rb", buffering=0) as handle:
+            while handle.read(16 << 20):
+                pass
+        return 0
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, files))
+    return time.perf_counter() - started
+
+
+def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
+    import numpy as np
+
+    from hsx import timings
+    from hsx.engine.vllm_engine import close_all_engines, get_engine
+    from hsx.extract import CHUNKS_IN_FLIGHT, RunContext
+    from hsx.pipeline import extract_work_chunk, plan_and_create_store, run_spec
+    from hsx.store import ExtractionStore
+    from hsx.verify import READERS, verify_store
+
+    locations = {"shm": Path("/dev/shm/hsx-bench"), "disk": Path(args.disk_dir)}
+    first = settings_for(args, str(locations["shm"] / "warm.zarr"), in_process)
+    started = time.perf_counter()
+    engine = get_engine(first.model, first.engine, run_spec(first).layer_ids)
+    load = time.perf_counter() - started
+    engine.extract([np.asarray([1, 2, 3])])  # warm-up, as for plain
+    passes = []
+    try:
+        for where in args.stores.split(","):
+            folder = locations[where]
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            url = str(folder / "run.zarr")
+            settings = settings_for(args, url, in_process)
+            timings.reset()
+            pass_started = time.perf_counter()
+            summary = plan_and_create_store(settings)
+            plan_s = time.perf_counter() - pass_started
+            with ThreadPoolExecutor(max_workers=CHUNKS_IN_FLIGHT) as pool:  # as the flow runs
+                records = list(
+                    pool.map(
+                        extract_work_chunk,
+                        [settings] * len(summary.pending),
+                        summary.pending,
+                        [RunContext("bench")] * len(summary.pending),
+                    )
+                )
+            seconds = time.perf_counter() - pass_started
+            stages = {k: vars(v) for k, v in timings.snapshot().items()}
+            tokens = sum(r.tokens for r in records if r)
+            nbytes = _dir_bytes(Path(url))
+            drop_page_cache([f for f in Path(url).rglob("*") if f.is_file()])
+            verify_started = time.perf_counter()
+            report = verify_store(ExtractionStore.open(url))
+            verify_s = time.perf_counter() - verify_started
+            raw_s = raw_read(Path(url), threads=READERS)
+            passes.append(
+                {
+                    "store": where,
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "plan_seconds": plan_s,
+                    "tokens_per_s": tokens / seconds,
+                    "extract_tokens_per_s": tokens / (seconds - plan_s),
+                    "bytes": nbytes,
+                    "store_gb_per_s": nbytes / seconds / 1e9,
+                    "verify_ok": report.ok,
+                    "verify_gb_per_s": nbytes / verify_s / 1e9,
+                    "raw_read_gb_per_s": nbytes / raw_s / 1e9,
+                    "stages": stages,
+                }
+            )
+            print(json.dumps({"progress": passes[-1]}), file=sys.stderr, flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        close_all_engines()
+    side = "hsx-in-process" if in_process else "hsx-child-process"
+    return {"side": side, "load_seconds": load, "passes": passes}
+
+
+def raw_write(folder: Path, total: int, threads: int, object_bytes: int = 16 << 20) -> float:
+    """GB/s of O_DIRECT writes of 16 MiB objects with ``threads`` writers (hsx's I/O pool)."""
+    import numpy as np
+
+    from hsx.local_io import aligned_empty, write_local_atomic
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    buffer = aligned_empty((object_bytes,), np.dtype(np.uint8))
+    buffer.fill(7)
+    count = max(1, total // object_bytes)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(
+            pool.map(
+                lambda i: write_local_atomic(
+                    str(folder / f"o{i}"), memoryview(buffer), direct=True
+                ),
+                range(count),
+            )
+        )
+    seconds = time.perf_counter() - started
+    shutil.rmtree(folder, ignore_errors=True)
+    return count * object_bytes / seconds / 1e9
+
+
+def prepare(args: argparse.Namespace, work: Path) -> None:
+    from hsx.sample_data import write_jsonl
+    from hsx.tiny_models import ensure_tiny_models, train_tokenizer
+
+    if args.tiny:
+        args.model_dir = str(ensure_tiny_models(work / "models")["tiny-llama"])
+    else:
+        model = work / "model"
+        model.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(args.config) / "config.json", model / "config.json")
+        train_tokenizer(model)  # ids < its vocabulary, a subset of the model's
+        args.model_dir = str(model)
+    args.dataset = str(
+        write_jsonl(work / "conversations.jsonl", args.conversations, seed=7, chat_lengths=True)
+    )
+
+
+def run_side(args: argparse.Namespace, side: str) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--side", side]
+    for key in ("conversations", "disk_dir", "model_dir", "dataset", "passes", "stores"):
+        command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    command += ["--tiny"] if args.tiny else []
+    started = time.perf_counter()
+    out = subprocess.run(command, capture_output=True, text=True, timeout=args.side_timeout)
+    if out.returncode != 0:
+        from hsx.engine.platform import exit_description
+
+        tail = (out.stdout[-2000:] + out.stderr[-4000:]).strip()
+        return {"side": side, "error": f"{exit_description(out.returncode)}: {tail}"}
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["wall_seconds"] = time.perf_counter() - started
+    return result
+
+
+def report(results: list[dict[str, Any]], raw_write_gbs: float | None) -> None:
+    plain = next((r for r in results if r["side"] == "plain" and "passes" in r), None)
+    best_plain = max((p["tokens_per_s"] for p in plain["passes"]), default=0.0) if plain else 0.0
+    print(
+        "\n| side | store | tokens | tokens/s | vs plain | store GB/s | verify GB/s | raw read GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    if plain:
+        for p in plain["passes"]:
+            print(
+                f"| plain | - | {p['tokens']:,} | {p['tokens_per_s']:,.0f} (generate {p['generate_tokens_per_s']:,.0f}) | 1 | - | - | - |"
+            )
+    for r in results:
+        if "error" in r:
+            print(f"| {r['side']} | ERROR | {r['error'][:300]} |")
+            continue
+        if r["side"] == "plain":
+            continue
+        for p in r["passes"]:
+            if plain and p["tokens"] != plain["passes"][0]["tokens"]:
+                raise SystemExit(
+                    f"token counts differ: plain {plain['passes'][0]['tokens']}, {r['side']} {p['tokens']}"
+                )
+            ratio = p["tokens_per_s"] / best_plain if best_plain else float("nan")
+            print(
+                f"| {r['side']} | {p['store']} | {p['tokens']:,} | {p['tokens_per_s']:,.0f} | {ratio:.3f} | "
+                f"{p['store_gb_per_s']:.2f} | {p['verify_gb_per_s']:.2f} | {p['raw_read_gb_per_s']:.2f} |"
+            )
+    if raw_write_gbs is not None:
+        print(f"\nraw O_DIRECT write of the disk, hsx's concurrency: {raw_write_gbs:.2f} GB/s")
+    print("\nwhere hsx's time goes (seconds summed over threads; bytes):")
+    for r in results:
+        for p in r.get("passes", []):
+            if "stages" in p:
+                line = ", ".join(
+                    f"{k} {v['seconds']:.1f}s/{v['count']}"
+                    + (f" {v['nbytes'] / 1e9:.1f}GB" if v["nbytes"] else "")
+                    for k, v in sorted(p["stages"].items())
+                )
+                print(
+                    f"- {r['side']} {p['store']} ({p['seconds']:.1f}s wall, plan {p['plan_seconds']:.1f}s): {line}"
+                )
+    print("\nRESULTS " + json.dumps({"results": results, "raw_write_gb_per_s": raw_write_gbs}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--conversations", type=int, default=800)
+    parser.add_argument("--config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b"))
+    parser.add_argument("--disk-dir", default="/var/tmp/hsx-bench")
+    parser.add_argument("--sides", default="plain,inproc,child")
+    parser.add_argument("--stores", default="shm,disk")
+    parser.add_argument("--passes", type=int, default=2, help="plain prefill passes")
+    parser.add_argument("--side-timeout", type=int, default=420)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--side")
+    parser.add_argument("--model-dir")
+    parser.add_argument("--dataset")
+    args = parser.parse_args()
+    if args.side:
+        sides = {
+            "plain": lambda: side_plain(args),
+            "inproc": lambda: side_hsx(args, True),
+            "child": lambda: side_hsx(args, False),
+        }
+        print(json.dumps(sides[args.side]()), flush=True)
+        return
+    work = Path(tempfile.mkdtemp(prefix="hsx-gpu-bench-"))
+    prepare(args, work)
+    results = []
+    for side in args.sides.split(","):
+        results.append(run_side(args, side))
+        print(
+            json.dumps(
+                {"done": side, "summary": {k: v for k, v in results[-1].items() if k != "passes"}}
+            )[:2000],
+            flush=True,
+        )
+    raw = None
+    if "disk" in args.stores:
+        from hsx.extract import _IO_THREADS
+
+        raw = raw_write(
+            Path(args.disk_dir) / "raw",
+            min(8 << 30, 4 << 30 if args.tiny else 8 << 30),
+            _IO_THREADS,
+        )
+    report(results, raw)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

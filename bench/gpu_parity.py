@@ -1,0 +1,34 @@
+"""On the GPU: hsx's preflight on the public Llama-3.1-8B and DeepSeek-V3 configs. Its static
+checks run against the installed vLLM (layout names, cache shape, EngineArgs fields, signatures)
+and its probe extracts a reduced copy of each architecture (seeded weights) through hsx's whole
+path and compares every captured state with HF transformers in float32.
+
+    python bench/gpu_parity.py [llama-3.1-8b deepseek-v3]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    from hsx.preflight.run import run_preflight
+
+    names = sys.argv[1:] or ["llama-3.1-8b", "deepseek-v3"]
+    for name in names:
+        started = time.perf_counter()
+        report = run_preflight(ROOT / "tests" / "fixtures" / "configs" / name)
+        print(f"== {name}: {time.perf_counter() - started:.1f} s")
+        for result in report.results:
+            print(f"PARITY {name} {result.check}: {result.status.value.upper()}: {result.summary}")
+            for line in result.details[:6]:
+                print(f"    {line}")
+
+
+if __name__ == "__main__":
+    main()

@@ -28,6 +28,16 @@ def main() -> None:
             print(f"PARITY {name} {result.check}: {result.status.value.upper()}: {result.summary}")
             for line in result.details[:6]:
                 print(f"    {line}")
+    # float32 on the GPU, reported (not judged): vLLM's Triton attention uses TF32 dots.
+    from hsx.plan import read_config, text_config
+    from hsx.preflight.probe import run_probe
+    from settings import EngineSettings
+
+    config = read_config(ROOT / "tests" / "fixtures" / "configs" / "llama-3.1-8b")
+    fp32 = run_probe(
+        config, text_config(config), (2, 16, 29, 32), 1, EngineSettings(), dtype="float32"
+    )
+    print(f"PARITY llama-3.1-8b probe float32: {fp32.status.value.upper()}: {fp32.summary[:300]}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ class VerifyReport:
 # Chunks verified at once: reads of storage objects overlap (each thread reads one object at a
 # time, so memory stays at READERS objects); xxh3 runs at tens of GB/s and releases the GIL.
 # Measured: one reader read a local store at 0.4 of a raw parallel read.
-READERS = 8
+READERS = max(8, os.cpu_count() or 2)
 
 
 @dataclass

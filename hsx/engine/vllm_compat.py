@@ -40,12 +40,19 @@ def known_layout_names() -> tuple[str, ...]:
             pass
     except ImportError:
         pass
-    # vLLM 0.26: a Literal of the names
-    from vllm.distributed.kv_transfer.kv_connector import utils as connector_utils
+    # vLLM 0.26: a Literal of the names, in the attention backends' utils
+    import importlib
 
-    literal = getattr(connector_utils, "KVCacheLayoutType", None)
-    if literal is not None:
-        names += [str(arg) for arg in typing.get_args(literal)]
+    for module in (
+        "vllm.v1.attention.backends.utils",
+        "vllm.distributed.kv_transfer.kv_connector.utils",
+    ):
+        try:
+            literal = getattr(importlib.import_module(module), "KVCacheLayoutType", None)
+        except ImportError:
+            continue
+        if literal is not None:
+            names += [str(arg) for arg in typing.get_args(literal)]
     return tuple(dict.fromkeys(names))
 
 
@@ -85,7 +92,13 @@ def connector_contract_problems(
     layout = connector.get_required_kvcache_layout(None)
     if layout is not None:
         known = known_layout_names()
-        if layout not in known:
+        if not known:
+            problems.append(
+                f"{connector.__name__}.get_required_kvcache_layout: asks for {layout!r}; found "
+                "no KV cache layout names in this vLLM to check it against (KVCacheLayout or "
+                "KVCacheLayoutType moved?)"
+            )
+        elif layout not in known:
             problems.append(
                 f"{connector.__name__}.get_required_kvcache_layout: asks for KV cache layout "
                 f"{layout!r}, which this vLLM does not know: expected one of {list(known)}, "

@@ -10,7 +10,7 @@ so every result exists before the engine returns the request, in-process or not,
 blocks are freed at once.
 
 Results go to a *sink*: in-process, a callable registered under ``sink_id`` (no copy across
-processes); otherwise (engine core in its own process) a spool directory of safetensors files
+processes); otherwise (engine core in its own process) a spool directory of raw row files
 written atomically (temp name, then rename), one per request key.
 """
 

@@ -13,7 +13,9 @@ reuses them once freed; host memory is bounded by the batches hsx keeps queued.
 
 from __future__ import annotations
 
+import json
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -39,21 +41,55 @@ class Job(Protocol):
 
 
 def spool_path(spool_dir: str | Path, key: str) -> Path:
-    return Path(spool_dir) / f"{key}.safetensors"
+    return Path(spool_dir) / f"{key}.rows"
+
+
+# Spool files: a 4096-byte JSON header (dtype, shape), then the rows' raw bytes. The reader maps
+# the file (copy-on-write) instead of reading it: on /dev/shm that is the same memory, handed
+# over without a copy, page-aligned for O_DIRECT writes. safetensors cost a serialising copy in
+# the engine process and a deserialising one in hsx's.
+SPOOL_HEADER_BYTES = 4096
 
 
 def write_spool_file(spool_dir: str, key: str, rows: torch.Tensor) -> None:
-    """One request's rows as a safetensors file in the spool (shared memory on /dev/shm),
-    written under a temporary name and renamed: a reader never sees half a file."""
-    from safetensors.torch import save_file
-
+    """One request's rows as a file in the spool (shared memory on /dev/shm), written under a
+    temporary name and renamed: a reader never sees half a file."""
     final = spool_path(spool_dir, key)
     temp = final.with_name(final.name + f".tmp{os.getpid()}")
+    rows = rows.contiguous()
+    header = json.dumps(
+        {"dtype": str(rows.dtype).removeprefix("torch."), "shape": list(rows.shape)}
+    )
+    payload: bytes | memoryview = (
+        rows.view(torch.uint8).reshape(-1).numpy().data if rows.numel() else b""
+    )
     try:
-        save_file({"hidden_states": rows.contiguous()}, str(temp))
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, header.encode().ljust(SPOOL_HEADER_BYTES, b" "))
+            view = memoryview(payload).cast("B")
+            written = 0
+            while written < view.nbytes:
+                written += os.write(fd, view[written : written + (64 << 20)])
+        finally:
+            os.close(fd)
         os.replace(temp, final)
     finally:
         temp.unlink(missing_ok=True)
+
+
+def read_spool_file(path: Path) -> torch.Tensor:
+    """The rows of a spool file, mapped copy-on-write (no read copy)."""
+    with open(path, "rb") as handle:
+        header = json.loads(handle.read(SPOOL_HEADER_BYTES).decode())
+        dtype = getattr(torch, header["dtype"])
+        shape = tuple(header["shape"])
+        size = os.fstat(handle.fileno()).st_size
+        if size <= SPOOL_HEADER_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    data = memoryview(mapped)[SPOOL_HEADER_BYTES:]
+    return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 def gather_rows_on_cpu(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -11,26 +11,39 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
-from hsx.engine.copier import spool_path
+from hsx.engine.copier import read_spool_file, spool_path
 from hsx.errors import EngineError
 
 Check = Callable[[str, int, torch.Tensor], torch.Tensor]
 ERROR_SUFFIX = ".error"
+SPOOL_SUFFIX = ".rows"
 
 # How often the spool is scanned while a finished request waits for its file (seconds).
 _SPOOL_POLL = 0.002
+# How long a request the engine reported finished may wait for its spool file before it fails
+# (seconds). The engine process writes the file before the step returns the request, so only a
+# broken engine process (or a spool on another machine) gets here: fail the chunk, never hang.
+SPOOL_WAIT_LIMIT_S = 300.0
 
 
 class ResultRendezvous:
-    def __init__(self, check: Check, spool_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        check: Check,
+        spool_dir: str | None = None,
+        spool_wait_limit_s: float = SPOOL_WAIT_LIMIT_S,
+    ) -> None:
         self._check = check  # shape validation: raises EngineError naming expected and found
         self._spool = spool_dir
+        self._spool_wait_limit_s = spool_wait_limit_s
+        self._expected_since: dict[str, float] = {}
         self._lock = threading.Condition()
         self._arrived: dict[str, torch.Tensor | BaseException] = {}
         self._expected: dict[str, tuple[int, Future[torch.Tensor]]] = {}
@@ -46,6 +59,7 @@ class ResultRendezvous:
     def deliver(self, key: str, rows: torch.Tensor | BaseException) -> None:
         with self._lock:
             waiting = self._expected.pop(key, None)
+            self._expected_since.pop(key, None)
             if waiting is None:
                 self._arrived[key] = rows
                 return
@@ -58,6 +72,7 @@ class ResultRendezvous:
             rows = self._arrived.pop(key, None)
             if rows is None:
                 self._expected[key] = (tokens, future)
+                self._expected_since[key] = time.monotonic()
                 self._lock.notify_all()
                 return
         self._resolve(key, (tokens, future), rows)
@@ -70,6 +85,7 @@ class ResultRendezvous:
         with self._lock:
             waiting = list(self._expected.values())
             self._expected.clear()
+            self._expected_since.clear()
             self._arrived.clear()
         for _, future in waiting:
             if not future.done():
@@ -103,8 +119,6 @@ class ResultRendezvous:
 
     # ---- spool (engine core in another process) ---------------------------------------------
     def _poll_spool(self) -> None:
-        from safetensors.torch import load_file
-
         spool = self._spool
         if spool is None:
             return
@@ -119,21 +133,44 @@ class ResultRendezvous:
             with os.scandir(spool) as entries:
                 for entry in entries:
                     name = entry.name
-                    if name.endswith(".safetensors") and name[: -len(".safetensors")] in wanted:
-                        found.append((name[: -len(".safetensors")], Path(entry.path), False))
+                    if name.endswith(SPOOL_SUFFIX) and name[: -len(SPOOL_SUFFIX)] in wanted:
+                        found.append((name[: -len(SPOOL_SUFFIX)], Path(entry.path), False))
                     elif name.endswith(ERROR_SUFFIX) and name[: -len(ERROR_SUFFIX)] in wanted:
                         found.append((name[: -len(ERROR_SUFFIX)], Path(entry.path), True))
             for key, path, is_error in found:
                 rows: torch.Tensor | BaseException
-                if is_error:
-                    rows = RuntimeError(path.read_text() or "copy failed (no message)")
-                else:
-                    rows = load_file(str(path))["hidden_states"]
+                try:
+                    if is_error:
+                        rows = RuntimeError(path.read_text() or "copy failed (no message)")
+                    else:
+                        rows = read_spool_file(path)
+                except Exception as exc:  # a broken file fails its request, not the poller
+                    rows = EngineError(f"spool file {path} could not be read: {exc!r}")
                 path.unlink(missing_ok=True)
                 self.deliver(key, rows)
+            self._fail_overdue()
             if not found:
                 with self._lock:
                     self._lock.wait(timeout=_SPOOL_POLL)
+
+    def _fail_overdue(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [
+                key
+                for key, since in self._expected_since.items()
+                if now - since > self._spool_wait_limit_s
+            ]
+        for key in overdue:
+            self.deliver(
+                key,
+                EngineError(
+                    f"request {key} finished in the engine process, but its states did not "
+                    f"appear in the spool {self._spool} within {self._spool_wait_limit_s:g} s "
+                    "(expected a .rows or .error file written by hsx's connector in the engine "
+                    "process: is that process running the same hsx code?)"
+                ),
+            )
 
 
 def write_spool_error(spool_dir: str, key: str, error: BaseException) -> None:

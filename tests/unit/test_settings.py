@@ -16,15 +16,31 @@ def test_max_length_must_be_below_max_model_len() -> None:
         ValidationError,
         match=r"data.max_length 4096 must be below engine.max_model_len 4096.*at most 4095.*at least 4097",
     ):
-        HsxSettings(model="m", dataset="d", store="s", data={"max_length": 4096})
-    ok = HsxSettings(model="m", dataset="d", store="s", data={"max_length": 4095})
+        HsxSettings(
+            model="m",
+            dataset="d",
+            store="s",
+            engine={"max_model_len": 4096},
+            data={"max_length": 4096},
+        )
+    ok = HsxSettings(
+        model="m", dataset="d", store="s", engine={"max_model_len": 4096}, data={"max_length": 4095}
+    )
     assert (ok.data.max_length, ok.engine.max_model_len) == (4095, 4096)
+
+
+def test_lengths_default_to_the_models_own() -> None:
+    # None until the model's config is read (hsx.limits.resolve_lengths fills both).
+    unset = HsxSettings(model="m", dataset="d", store="s")
+    assert (unset.engine.max_model_len, unset.data.max_length) == (None, None)
+    only_length = HsxSettings(model="m", dataset="d", store="s", data={"max_length": 100000})
+    assert only_length.data.max_length == 100000  # checked against the model in preflight
 
 
 def test_cli_values_and_environment_are_validated_together(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The environment alone (max_model_len 1024 against the default max_length 2048) is invalid;
+    # The environment alone (max_model_len 1024 against max_length 4000) is invalid;
     # with the CLI's max_length it is not, and the CLI's values win over the environment's.
     monkeypatch.setenv("HSX_ENGINE__MAX_MODEL_LEN", "1024")
     monkeypatch.setenv("HSX_ENGINE__DTYPE", "float32")

@@ -60,7 +60,7 @@ def test_spool_files_errors_and_a_file_that_never_comes(tmp_path: Path) -> None:
         assert torch.equal(good.result(timeout=10), torch.ones(2, 1, 4))
         with pytest.raises(EngineError, match="device copy failed"):
             failed.result(timeout=10)
-        with pytest.raises(EngineError, match="broken.rows could not be read"):
+        with pytest.raises(EngineError, match=r"broken\.rows could not be read"):
             broken.result(timeout=10)
         with pytest.raises(EngineError, match=r"did not appear in the spool .* within 0.5 s"):
             missing.result(timeout=10)

@@ -40,14 +40,17 @@ class Job(Protocol):
     num_tokens: int
 
 
+SPOOL_SUFFIX = ".rows"
+
+
 def spool_path(spool_dir: str | Path, key: str) -> Path:
-    return Path(spool_dir) / f"{key}.rows"
+    return Path(spool_dir) / f"{key}{SPOOL_SUFFIX}"
 
 
 # Spool files: a 4096-byte JSON header (dtype, shape), then the rows' raw bytes. The reader maps
 # the file (copy-on-write) instead of reading it: on /dev/shm that is the same memory, handed
-# over without a copy, page-aligned for O_DIRECT writes. safetensors cost a serialising copy in
-# the engine process and a deserialising one in hsx's.
+# over without a copy. safetensors cost a serialising copy in the engine process and a
+# deserialising one in hsx's.
 SPOOL_HEADER_BYTES = 4096
 
 

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import torch
 
-from hsx.engine.copier import read_spool_file, spool_path
+from hsx.engine.copier import SPOOL_SUFFIX, read_spool_file, spool_path
 from hsx.errors import EngineError
 
 Check = Callable[[str, int, torch.Tensor], torch.Tensor]
 ERROR_SUFFIX = ".error"
-SPOOL_SUFFIX = ".rows"
 
 # How often the spool is scanned while a finished request waits for its file (seconds).
 _SPOOL_POLL = 0.002

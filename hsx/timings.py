@@ -4,6 +4,8 @@ cheap enough to stay on in production (one perf_counter pair and a lock per even
 Stages: "engine_step" (the driver thread inside vLLM's step), "d2h_copy" (the connector's
 device-to-host copies, on their own stream), "append" (rows copied and hashed into staging),
 "write" (storage objects written), "commit" (commit records). The benchmark prints them.
+An engine in a child process sends its own accumulators along with the states it hands over;
+they appear here as "engine:<stage>".
 """
 
 from __future__ import annotations
@@ -51,3 +53,9 @@ def snapshot() -> dict[str, Stage]:
 def reset() -> None:
     with _LOCK:
         _STAGES.clear()
+
+
+def replace(stages: dict[str, Stage]) -> None:
+    """Set stages to the given totals (another process's accumulators, e.g. the engine's)."""
+    with _LOCK:
+        _STAGES.update(stages)

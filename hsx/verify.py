@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from hsx.checksums import ALGORITHM, digest
 from hsx.errors import StoreError
@@ -50,6 +53,22 @@ class VerifyReport:
 READERS = max(8, os.cpu_count() or 2)
 
 
+class _ReusedBuffers(threading.local):
+    """Per reader thread: the last object read of each array, reused for the next."""
+
+    def __init__(self) -> None:
+        self.by_array: dict[str, np.ndarray] = {}
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self.by_array.get(name)
+
+    def __setitem__(self, name: str, rows: np.ndarray) -> None:
+        self.by_array[name] = rows
+
+
+_reused = _ReusedBuffers()
+
+
 @dataclass
 class _ChunkResult:
     problems: list[ChunkProblem] = field(default_factory=list)
@@ -89,7 +108,9 @@ def _verify_chunk(
             continue
         for position, row in enumerate(range(chunk.row_start, chunk.row_end, step)):
             try:
-                rows = store.read_rows(name, row, row + step)  # one storage object at a time
+                # One object at a time, into this thread's buffer of the last object read.
+                rows = store.read_rows(name, row, row + step, reuse=_reused.get(name))
+                _reused[name] = rows
             except StoreError as exc:  # a missing or truncated object
                 result.problems.append(ChunkProblem(chunk.index, str(exc)))
                 continue

@@ -63,7 +63,17 @@ class EngineSettings(BaseModel):
         True,
         description="Run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
         "2-3 s start on CPU and hidden states handed over without a copy. False runs it in a "
-        "child process and hands results over through a spool directory.",
+        "child process (vLLM's default, and what tensor_parallel_size > 1 needs) and hands "
+        "results over through a shared-memory ring.",
+    )
+    result_ring_gib: float | None = Field(
+        None,
+        gt=0,
+        le=1024,
+        description="Shared memory (in /dev/shm) through which an engine in a child process "
+        "hands hidden states over; a request that finds it full goes through a file (slower). "
+        "None = 1/16 of the machine's memory, 0.25-16 GiB, at most a quarter of /dev/shm's free "
+        "space. On a GPU it is registered as pinned memory.",
     )
     mla_rotary_custom_op: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -10,7 +10,6 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from hsx.engine.vllm_engine import engine_is_loaded
 from hsx.errors import FatalError
 from hsx.preflight.report import CheckResult, PreflightReport, Status
 from hsx.preflight.run import probe_check, static_checks
@@ -69,6 +68,10 @@ def model_load_probe_task(settings: HsxSettings) -> dict[str, Any]:
             settings.model, settings.capture, settings.engine, settings.store
         )
         layer_ids = context.get("layer_ids", ())
+        # Imported here: hsx.engine.vllm_engine imports vLLM (seconds), and the flow's module
+        # is imported by the UI's deployments for nothing but its parameter form.
+        from hsx.engine.vllm_engine import engine_is_loaded
+
         if layer_ids and engine_is_loaded(settings.model, settings.engine, layer_ids):
             # The real engine already runs in this process (a re-run): probing would evict it
             # and cost a second model load.

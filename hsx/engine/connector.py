@@ -10,8 +10,9 @@ so every result exists before the engine returns the request, in-process or not,
 blocks are freed at once.
 
 Results go to a *sink*: in-process, a callable registered under ``sink_id`` (no copy across
-processes); otherwise (engine core in its own process) a spool directory of raw row files
-written atomically (temp name, then rename), one per request key.
+processes); otherwise (engine core in its own process) the shared-memory result ring that hsx
+created in the spool directory (hsx.engine.result_ring), and a spool file per request when the
+ring is full.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+from hsx import timings
 from hsx.engine.copier import DeviceToHostCopier, gather_rows_on_cpu, write_spool_file
 from hsx.engine.options import CONNECTOR_NAME
 from hsx.engine.platform import request_amx
-from hsx.engine.results import write_spool_error
+from hsx.engine.result_ring import RingWriter
 from hsx.engine.vllm_compat import HIDDEN_STATE_LAYOUT, TOKENS_FIRST, hidden_state_cache_order
 
 # vLLM imports this module in the engine core's own process too (engine.in_process=False):
@@ -123,12 +125,14 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._sink_id: str = str(extra.get("sink_id", ""))
         self._spool_dir: str = str(extra.get("spool_dir", ""))
+        self._ring_granules = int(extra.get("ring_granules", 0))
         self._group_id = _hidden_state_group_id(kv_cache_config)
         # Scheduler side: requests seen so far, by vLLM request id.
         self._tracked: dict[str, _TrackedRequest] = {}
         # Worker side.
         self._kv_cache: torch.Tensor | None = None  # [blocks, block_size, K, H] view
         self._copier: DeviceToHostCopier | None = None  # CUDA only
+        self._ring: RingWriter | None = None  # engine in its own process: rows go here
         self._is_writer_rank = True
 
     # ---- worker side ----------------------------------------------------------------------
@@ -154,8 +158,12 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
                 f"hidden-state cache: expected 4 axes [{order}], found shape {tuple(cache.shape)}"
             )
         self._kv_cache = by_token  # [blocks, block_size, K, H] (a view)
+        if self._is_writer_rank and self._ring_granules and self._spool_dir:
+            self._ring = RingWriter(self._spool_dir, self._ring_granules)
         if cache.device.type == "cuda":
             self._copier = DeviceToHostCopier(cache.device, self._deliver)
+            if self._ring is not None:
+                self._ring.pin()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # store-only: nothing to load
@@ -178,14 +186,31 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         if self._kv_cache is None:
             raise RuntimeError("hidden-state cache not registered before the first save")
         index, row_starts = self._block_index(metadata.jobs)
+        _, block_size, layers, hidden = self._kv_cache.shape
+        dtype = self._kv_cache.dtype
         if self._copier is not None:
-            # GPU: gather on the device, copy to pinned memory on a side stream, deliver from
-            # the copier's thread; the engine step never waits for the copy.
-            self._copier.submit(self._kv_cache, index, metadata.jobs, row_starts)
+            # GPU: gather on the device, copy to pinned memory on a side stream (straight into
+            # the result ring where it is pinned), deliver from the copier's thread; the engine
+            # step never waits for the copy.
+            destinations = None
+            if self._ring is not None and self._ring.pinned:
+                destinations = [
+                    self._ring.allocate((job.num_tokens, layers, hidden), dtype)
+                    for job in metadata.jobs
+                ]
+            self._copier.submit(self._kv_cache, index, metadata.jobs, row_starts, destinations)
             return
-        rows = gather_rows_on_cpu(self._kv_cache, index)
+        if self._ring is None:
+            rows = gather_rows_on_cpu(self._kv_cache, index)
+            for job, start in zip(metadata.jobs, row_starts, strict=True):
+                self._deliver(job.key, rows[start : start + job.num_tokens])
+            return
+        # CPU, engine in its own process: each request's blocks straight into its ring place.
         for job, start in zip(metadata.jobs, row_starts, strict=True):
-            self._deliver(job.key, rows[start : start + job.num_tokens])
+            blocks = index[start // block_size : (start + job.num_tokens - 1) // block_size + 1]
+            place = self._ring.allocate((blocks.numel(), block_size, layers, hidden), dtype)
+            rows = gather_rows_on_cpu(self._kv_cache, blocks, out=place)
+            self._deliver(job.key, rows[: job.num_tokens])
 
     def _block_index(self, jobs: list[ExtractionJob]) -> tuple[torch.Tensor, list[int]]:
         """The blocks of every request completing in this step, in token order, and where each
@@ -215,14 +240,28 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         if sink is not None:
             sink(key, rows)
             return
-        if not self._spool_dir:
+        ring = self._ring
+        if ring is None:
             raise RuntimeError(
-                f"no in-process sink {self._sink_id!r} and no spool_dir configured for {key}"
+                f"request {key}: no in-process sink {self._sink_id!r} and no result ring "
+                f"(spool_dir {self._spool_dir!r}, ring_granules {self._ring_granules})"
             )
         if isinstance(rows, BaseException):
-            write_spool_error(self._spool_dir, key, rows)
-        else:
-            write_spool_file(self._spool_dir, key, rows)
+            ring.announce_error(key, rows)
+        elif ring.owns(rows):
+            ring.announce_rows(key, rows)
+        else:  # the ring was full when this request's rows were copied
+            with timings.timed("spool_write", rows.nbytes):
+                path = write_spool_file(self._spool_dir, key, rows)
+            ring.announce_file(key, str(path))
+
+    def shutdown(self) -> None:
+        # vLLM calls this where it has the hook (0.3x): the last stage timings go to hsx.
+        if self._copier is not None:
+            self._copier.close()
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

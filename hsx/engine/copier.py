@@ -54,7 +54,7 @@ def spool_path(spool_dir: str | Path, key: str) -> Path:
 SPOOL_HEADER_BYTES = 4096
 
 
-def write_spool_file(spool_dir: str, key: str, rows: torch.Tensor) -> None:
+def write_spool_file(spool_dir: str, key: str, rows: torch.Tensor) -> Path:
     """One request's rows as a file in the spool (shared memory on /dev/shm), written under a
     temporary name and renamed: a reader never sees half a file."""
     final = spool_path(spool_dir, key)
@@ -79,6 +79,7 @@ def write_spool_file(spool_dir: str, key: str, rows: torch.Tensor) -> None:
         os.replace(temp, final)
     finally:
         temp.unlink(missing_ok=True)
+    return final
 
 
 def read_spool_file(path: Path) -> torch.Tensor:
@@ -95,13 +96,18 @@ def read_spool_file(path: Path) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
-def gather_rows_on_cpu(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Blocks ``index`` of ``cache`` [blocks, block_size, K, H] as rows [rows, K, H]."""
+def gather_rows_on_cpu(
+    cache: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Blocks ``index`` of ``cache`` [blocks, block_size, K, H] as rows [rows, K, H], into
+    ``out`` [index.numel(), block_size, K, H] where given."""
     started = time.perf_counter()
     _, block_size, layers, hidden = cache.shape
     # Page-aligned: the writer can write whole Zarr chunks of these rows with O_DIRECT
     # straight from this buffer.
-    rows = aligned_cpu_tensor((index.numel(), block_size, layers, hidden), cache.dtype)
+    rows = out
+    if rows is None:
+        rows = aligned_cpu_tensor((index.numel(), block_size, layers, hidden), cache.dtype)
     torch.index_select(cache, 0, index, out=rows)
     flat = rows.view(index.numel() * block_size, layers, hidden)
     timings.add("d2h_copy", time.perf_counter() - started, flat.nbytes)
@@ -111,10 +117,9 @@ def gather_rows_on_cpu(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor
 @dataclass
 class _InFlight:
     done: Any  # torch.cuda.Event recorded on the copy stream after the copy
-    host: torch.Tensor  # [rows, K, H] pinned
+    hosts: list[torch.Tensor]  # per job [tokens, K, H], in pinned memory
     device: torch.Tensor  # the gathered rows, kept alive until the copy is done
     jobs: Sequence[Job]
-    row_starts: Sequence[int]
     submitted: float
 
 
@@ -136,8 +141,11 @@ class DeviceToHostCopier:
         index: torch.Tensor,
         jobs: Sequence[Job],
         row_starts: Sequence[int],
+        destinations: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
-        """Queue the copy of blocks ``index`` of ``cache`` [blocks, block_size, K, H]."""
+        """Queue the copy of blocks ``index`` of ``cache`` [blocks, block_size, K, H]: each
+        job's rows into its pinned ``destinations`` entry (the result ring), or where that is
+        None or not given, into pinned buffers from torch's caching host allocator."""
         if self._failure is not None:
             raise RuntimeError(f"device-to-host copier failed earlier: {self._failure!r}")
         started = time.perf_counter()
@@ -146,16 +154,30 @@ class DeviceToHostCopier:
         flat = gathered.view(index.numel() * block_size, layers, hidden)
         ready = torch.cuda.Event()
         ready.record()  # the gather, in the engine's stream order
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        if destinations is None:  # one buffer for the step: one copy
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            hosts = [host[s : s + j.num_tokens] for j, s in zip(jobs, row_starts, strict=True)]
+            sources = [flat]
+            targets = [host]
+        else:  # a copy per request, each into its own place
+            hosts = [
+                d
+                if d is not None
+                else torch.empty((j.num_tokens, layers, hidden), dtype=flat.dtype, pin_memory=True)
+                for j, d in zip(jobs, destinations, strict=True)
+            ]
+            sources = [flat[s : s + j.num_tokens] for j, s in zip(jobs, row_starts, strict=True)]
+            targets = hosts
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            host.copy_(flat, non_blocking=True)
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         # The caching allocator must not hand the gathered memory to the engine's stream
         # before the side stream has read it.
         flat.record_stream(self._stream)
-        self._pending.put(_InFlight(done, host, flat, jobs, row_starts, started))
+        self._pending.put(_InFlight(done, hosts, flat, jobs, started))
         timings.add("d2h_submit", time.perf_counter() - started, flat.nbytes)
 
     def _complete(self) -> None:
@@ -165,10 +187,11 @@ class DeviceToHostCopier:
                 return
             try:
                 item.done.synchronize()
-                timings.add("d2h_copy", time.perf_counter() - item.submitted, item.host.nbytes)
+                copied = sum(host.nbytes for host in item.hosts)
+                timings.add("d2h_copy", time.perf_counter() - item.submitted, copied)
                 del item.device
-                for job, start in zip(item.jobs, item.row_starts, strict=True):
-                    self._deliver(job.key, item.host[start : start + job.num_tokens])
+                for job, host in zip(item.jobs, item.hosts, strict=True):
+                    self._deliver(job.key, host)
             except BaseException as exc:  # the waiters of these requests get the error
                 self._failure = exc
                 logger.error("hidden-state copy failed: %r", exc, exc_info=True)

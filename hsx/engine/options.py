@@ -3,6 +3,8 @@ planning needs the dtype) — vLLM's import alone takes seconds."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +165,7 @@ def engine_kwargs(
     sink_id: str,
     spool_dir: str,
     config: dict[str, Any] | None = None,
+    ring_granules: int = 0,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for extraction (also shown by preflight).
 
@@ -195,7 +198,11 @@ def engine_kwargs(
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"sink_id": sink_id, "spool_dir": spool_dir},
+            "kv_connector_extra_config": {
+                "sink_id": sink_id,
+                "spool_dir": spool_dir,
+                "ring_granules": ring_granules,
+            },
         },
     }
     kv_bytes = kv_cache_bytes(engine, config, dtype, len(layer_ids), max_model_len)
@@ -209,3 +216,13 @@ def engine_kwargs(
         # vLLM's CPU rotary kernel is wrong for MLA's 3-D queries (2.5e-2 error against HF).
         kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     return kwargs
+
+
+def result_ring_bytes(engine: EngineSettings, spool_dir: str) -> int:
+    """Size of the shared-memory result ring of an engine in a child process."""
+    if engine.result_ring_gib is not None:
+        return int(engine.result_ring_gib * (1 << 30))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    wanted = min(16 << 30, max(256 << 20, memory // 16))
+    free = shutil.disk_usage(spool_dir).free
+    return max(64 << 20, min(wanted, free // 4))

@@ -1,15 +1,15 @@
 """Where a request's hidden states meet the request: the connector delivers rows (in-process,
-through a registered sink; from another process, as a spool file), the engine driver reports
-the request finished, and whichever comes second resolves the caller's future.
+through a registered sink; from another process, through the shared-memory result ring or, when
+that is full, a spool file), the engine driver reports the request finished, and whichever comes
+second resolves the caller's future.
 
 With asynchronous device-to-host copies the rows of a request can arrive after vLLM returned it
-as finished (the step does not wait for the copy), and from a child engine process a spool file
-can appear after the finished output: neither side may assume the other came first.
+as finished (the step does not wait for the copy), and from a child engine process the rows can
+be announced after the finished output: neither side may assume the other came first.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,17 +18,18 @@ from pathlib import Path
 
 import torch
 
-from hsx.engine.copier import SPOOL_SUFFIX, read_spool_file, spool_path
+from hsx import timings
+from hsx.engine.copier import read_spool_file
+from hsx.engine.result_ring import RingReader
 from hsx.errors import EngineError
 
 Check = Callable[[str, int, torch.Tensor], torch.Tensor]
-ERROR_SUFFIX = ".error"
 
-# How often the spool is scanned while a finished request waits for its file (seconds).
-_SPOOL_POLL = 0.002
-# How long a request the engine reported finished may wait for its spool file before it fails
-# (seconds). The engine process writes the file before the step returns the request, so only a
-# broken engine process (or a spool on another machine) gets here: fail the chunk, never hang.
+# How long the announcement reader waits before it looks for overdue requests (seconds).
+_POLL_S = 0.05
+# How long a request the engine reported finished may wait for its states before it fails
+# (seconds). The engine process announces them right after the copy, so only a broken engine
+# process (or a spool on another machine) gets here: fail the chunk, never hang.
 SPOOL_WAIT_LIMIT_S = 300.0
 
 
@@ -37,6 +38,7 @@ class ResultRendezvous:
         self,
         check: Check,
         spool_dir: str | None = None,
+        ring_bytes: int = 0,
         spool_wait_limit_s: float = SPOOL_WAIT_LIMIT_S,
     ) -> None:
         self._check = check  # shape validation: raises EngineError naming expected and found
@@ -47,12 +49,14 @@ class ResultRendezvous:
         self._arrived: dict[str, torch.Tensor | BaseException] = {}
         self._expected: dict[str, tuple[int, Future[torch.Tensor]]] = {}
         self._closed = False
-        self._poller: threading.Thread | None = None
+        self._ring: RingReader | None = None
+        self._reader: threading.Thread | None = None
         if spool_dir is not None:
-            self._poller = threading.Thread(
-                target=self._poll_spool, name="hsx-spool-poll", daemon=True
+            self._ring = RingReader(spool_dir, ring_bytes)
+            self._reader = threading.Thread(
+                target=self._read_announcements, name="hsx-ring-reader", daemon=True
             )
-            self._poller.start()
+            self._reader.start()
 
     # ---- connector side (in-process sink) -------------------------------------------------
     def deliver(self, key: str, rows: torch.Tensor | BaseException) -> None:
@@ -94,8 +98,10 @@ class ResultRendezvous:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        if self._poller is not None:
-            self._poller.join(timeout=5)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        if self._ring is not None:
+            self._ring.close()
 
     def _resolve(
         self,
@@ -116,41 +122,34 @@ class ResultRendezvous:
         except EngineError as exc:
             future.set_exception(exc)
 
-    # ---- spool (engine core in another process) ---------------------------------------------
-    def _poll_spool(self) -> None:
-        spool = self._spool
-        if spool is None:
+    # ---- engine core in another process: the ring's announcements ---------------------------
+    def _read_announcements(self) -> None:
+        ring = self._ring
+        if ring is None:
             return
-        while True:
-            with self._lock:
-                while not self._expected and not self._closed:
-                    self._lock.wait()
-                if self._closed:
-                    return
-                wanted = set(self._expected)
-            found = []
-            with os.scandir(spool) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(SPOOL_SUFFIX) and name[: -len(SPOOL_SUFFIX)] in wanted:
-                        found.append((name[: -len(SPOOL_SUFFIX)], Path(entry.path), False))
-                    elif name.endswith(ERROR_SUFFIX) and name[: -len(ERROR_SUFFIX)] in wanted:
-                        found.append((name[: -len(ERROR_SUFFIX)], Path(entry.path), True))
-            for key, path, is_error in found:
+        while not self._closed:
+            for message in ring.messages(timeout_s=_POLL_S):
+                key = str(message.get("key", ""))
                 rows: torch.Tensor | BaseException
                 try:
-                    if is_error:
-                        rows = RuntimeError(path.read_text() or "copy failed (no message)")
-                    else:
+                    if "error" in message:
+                        rows = RuntimeError(message["error"] or "copy failed (no message)")
+                    elif "file" in message:
+                        started = time.perf_counter()
+                        path = Path(message["file"])
                         rows = read_spool_file(path)
-                except Exception as exc:  # a broken file fails its request, not the poller
-                    rows = EngineError(f"spool file {path} could not be read: {exc!r}")
-                path.unlink(missing_ok=True)
+                        path.unlink(missing_ok=True)
+                        timings.add("handover_file", time.perf_counter() - started, rows.nbytes)
+                    else:
+                        rows = ring.rows(message)
+                        timings.add("handover_ring", 0.0, rows.nbytes)
+                except Exception as exc:  # a broken announcement fails its request, not the reader
+                    rows = EngineError(
+                        f"request {key}: states could not be read ({message}): {exc!r}"
+                    )
                 self.deliver(key, rows)
+                del rows  # held here, the rows' ring granules would wait for the next message
             self._fail_overdue()
-            if not found:
-                with self._lock:
-                    self._lock.wait(timeout=_SPOOL_POLL)
 
     def _fail_overdue(self) -> None:
         now = time.monotonic()
@@ -164,16 +163,9 @@ class ResultRendezvous:
             self.deliver(
                 key,
                 EngineError(
-                    f"request {key} finished in the engine process, but its states did not "
-                    f"appear in the spool {self._spool} within {self._spool_wait_limit_s:g} s "
-                    "(expected a .rows or .error file written by hsx's connector in the engine "
-                    "process: is that process running the same hsx code?)"
+                    f"request {key} finished in the engine process, but its states were not "
+                    f"announced in {self._spool} within {self._spool_wait_limit_s:g} s "
+                    "(expected hsx's connector in the engine process to announce them: is that "
+                    "process running the same hsx code?)"
                 ),
             )
-
-
-def write_spool_error(spool_dir: str, key: str, error: BaseException) -> None:
-    final = spool_path(spool_dir, key).with_suffix(ERROR_SUFFIX)
-    temp = final.with_name(final.name + f".tmp{os.getpid()}")
-    temp.write_text(repr(error))
-    os.replace(temp, final)

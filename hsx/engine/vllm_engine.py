@@ -27,8 +27,9 @@ import torch
 
 from hsx import timings
 from hsx.engine import connector as hsx_connector
-from hsx.engine.options import engine_kwargs, resolve_dtype
+from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import enable_fault_reports, request_amx
+from hsx.engine.result_ring import ring_granules
 from hsx.engine.results import ResultRendezvous
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.plan import read_config, text_config
@@ -66,9 +67,12 @@ class VllmHiddenStateEngine:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._spool = tempfile.mkdtemp(prefix="hsx-spool-", dir=shm)
         # Rows and finished requests meet here, in either order (copies are asynchronous on
-        # GPUs; a child engine process delivers through spool files).
+        # GPUs; a child engine process delivers through the shared-memory result ring).
+        ring_bytes = 0 if engine.in_process else result_ring_bytes(engine, self._spool)
         self._rendezvous = ResultRendezvous(
-            self._check, spool_dir=None if engine.in_process else self._spool
+            self._check,
+            spool_dir=None if engine.in_process else self._spool,
+            ring_bytes=ring_bytes,
         )
         if engine.in_process:
             hsx_connector.register_sink(self._sink_id, self._rendezvous.deliver)
@@ -88,7 +92,13 @@ class VllmHiddenStateEngine:
         self._closed = False
         self._ready: Future[None] = Future()
         kwargs = engine_kwargs(
-            model_dir, engine, self.layer_ids, self._sink_id, self._spool, config=config
+            model_dir,
+            engine,
+            self.layer_ids,
+            self._sink_id,
+            self._spool,
+            config=config,
+            ring_granules=ring_granules(ring_bytes) if ring_bytes else 0,
         )
         self.attention_backend = kwargs.get("attention_backend")
         enable_fault_reports()  # a fatal signal in a kernel prints every thread's traceback

@@ -123,24 +123,39 @@ def test_tiny_deepseek_memory_store_matches_hf(tiny_deepseek: Path, sample_datas
     assert_matches_hf(tiny_deepseek, sample_dataset, url)
 
 
-def test_engine_in_child_process_hands_states_through_the_spool(
-    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("ring_gib", "via"),
+    [(None, "handover_ring"), (1e-4, "handover_file")],
+    ids=["shared-memory-ring", "ring-full-spool-files"],
+)
+def test_engine_in_child_process_hands_states_over(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path, ring_gib: float | None, via: str
 ) -> None:
-    """vLLM's default (and GPU) mode: the engine core in its own process."""
+    """vLLM's default (and GPU) mode: the engine core in its own process. States come through
+    the shared-memory ring; with a ring of one granule most requests find it full and come
+    through spool files instead. Either way every state equals HF's."""
+    from hsx import timings
+    from hsx.engine.vllm_engine import close_all_engines
+
     url = str(tmp_path / "mp.zarr")
     settings = make_settings(
         tiny_llama,
         sample_dataset,
         url,
         data={"max_samples": SAMPLES},
-        engine={"in_process": False},
+        engine={"in_process": False, "result_ring_gib": ring_gib},
         layout={"min_work_chunk_tokens": 512, "rows_per_chunk": 64},
     )
+    close_all_engines()
+    timings.reset()
     try:
         run_extraction(settings)
     finally:
-        from hsx.engine.vllm_engine import close_all_engines
-
         close_all_engines()
+    stages = timings.snapshot()
+    assert stages[via].count > 0, sorted(stages)
+    if via == "handover_ring":
+        assert "handover_file" not in stages  # the default ring holds every request in flight
+    assert stages["engine:d2h_copy"].nbytes > 0  # the engine process's own timings came along
     assert verify_store(ExtractionStore.open(url)).ok
     assert_matches_hf(tiny_llama, sample_dataset, url)

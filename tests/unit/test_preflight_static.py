@@ -80,6 +80,7 @@ def test_convert_layer_ids_both_ways() -> None:
 # --------------------------------------------------------------------------- resolve
 
 
+@pytest.mark.vllm
 def test_resolve_kimi_k2_chain(kimi_resolved: ResolvedArchitecture) -> None:
     r = kimi_resolved
     assert r.chain == [
@@ -92,6 +93,7 @@ def test_resolve_kimi_k2_chain(kimi_resolved: ResolvedArchitecture) -> None:
     assert r.decoder_layer_cls.__name__ == "DeepseekV2DecoderLayer"
 
 
+@pytest.mark.vllm
 def test_resolve_deepseek_v3_and_llama(llama: dict[str, Any]) -> None:
     ds = resolve_architecture(load_config("deepseek-v3"))
     assert ds.backbone_cls.__name__ == "DeepseekV2Model"
@@ -101,6 +103,7 @@ def test_resolve_deepseek_v3_and_llama(llama: dict[str, Any]) -> None:
     assert r.decoder_layer_cls.__name__ == "LlamaDecoderLayer"
 
 
+@pytest.mark.vllm
 def test_resolve_kimi_k25_follows_the_wrapped_language_model() -> None:
     r = resolve_architecture({"architectures": ["KimiK25ForConditionalGeneration"]})
     assert r.chain == [
@@ -112,12 +115,14 @@ def test_resolve_kimi_k25_follows_the_wrapped_language_model() -> None:
     assert r.language_model_cls.__name__ == "DeepseekV2ForCausalLM"
 
 
+@pytest.mark.vllm
 def test_resolution_check_notes_remote_code(kimi: dict[str, Any]) -> None:
     result = check_resolution(kimi)
     assert result.status == Status.PASS
     assert any("auto_map" in d for d in result.details)
 
 
+@pytest.mark.vllm
 def test_unknown_architecture_suggests_closest() -> None:
     with pytest.raises(ArchitectureResolutionError, match="Closest known: LlamaForCausalLM"):
         resolve_architecture({"architectures": ["LlamaForCasualLM"]})
@@ -130,11 +135,13 @@ def test_unknown_architecture_suggests_closest() -> None:
 # --------------------------------------------------------------------------- contract
 
 
+@pytest.mark.vllm
 def test_contract_passes_default_ids(kimi: dict[str, Any], kimi_resolved: Any) -> None:
     result = check_capture_contract(kimi_resolved, kimi, default_layer_ids(61))
     assert result.status == Status.PASS, result
 
 
+@pytest.mark.vllm
 def test_contract_rejects_out_of_range_and_duplicates(
     kimi: dict[str, Any], kimi_resolved: Any
 ) -> None:
@@ -148,12 +155,14 @@ def test_contract_rejects_out_of_range_and_duplicates(
     assert dupes.status == Status.FAIL and "duplicates [2]" in dupes.summary
 
 
+@pytest.mark.vllm
 def test_id_zero_is_valid_for_llama(llama: dict[str, Any]) -> None:
     r = resolve_architecture(llama)
     assert capture_id_range(r, 32).low == 0
     assert check_capture_contract(r, llama, (0, 16, 32)).status == Status.PASS
 
 
+@pytest.mark.vllm
 def test_contract_fails_without_eagle3_support() -> None:
     config = {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 32}
     result = check_capture_contract(resolve_architecture(config), config, (2, 16))
@@ -170,6 +179,7 @@ def _layer_forward() -> Any:
     return DeepseekV2DecoderLayer.forward
 
 
+@pytest.mark.vllm
 def test_seed_call_site_is_flagged_for_llama_4_scaling() -> None:
     # The call that started hsx: layer(hidden_states=..., positions=..., residual=...).
     seed = CallSite(keywords=("hidden_states", "positions", "residual"))
@@ -179,11 +189,13 @@ def test_seed_call_site_is_flagged_for_llama_4_scaling() -> None:
     assert "DeepseekV2Model.forward" in lines[0] and "deepseek_v2.py" in lines[0]
 
 
+@pytest.mark.vllm
 def test_model_matching_call_site_is_clean() -> None:
     correct = CallSite(positional=("positions", "hidden_states", "residual", "llama_4_scaling"))
     assert compare_call(_layer_forward(), correct, "DeepseekV2DecoderLayer") == []
 
 
+@pytest.mark.vllm
 def test_positional_order_and_unknown_keyword_are_flagged() -> None:
     swapped = CallSite(positional=("hidden_states", "positions", "residual"), keywords=("scale",))
     lines = compare_call(_layer_forward(), swapped, "DeepseekV2DecoderLayer")
@@ -193,6 +205,7 @@ def test_positional_order_and_unknown_keyword_are_flagged() -> None:
     assert "keyword 'scale'" in text
 
 
+@pytest.mark.vllm
 def test_check_signatures_on_resolved_model(kimi_resolved: ResolvedArchitecture) -> None:
     seed = CallSite(keywords=("hidden_states", "positions", "residual"))
     bad = check_signatures(kimi_resolved, {"decoder_layer.forward": seed})
@@ -200,6 +213,7 @@ def test_check_signatures_on_resolved_model(kimi_resolved: ResolvedArchitecture)
     assert check_signatures(kimi_resolved, {}).status == Status.PASS
 
 
+@pytest.mark.vllm
 def test_kv_connector_override_signatures() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (

@@ -32,6 +32,7 @@ from hsx.errors import StoreError
 from hsx.local_io import DIRECT_ALIGNMENT, aligned_empty
 from hsx.plan import WorkChunk
 from hsx.store import CommitRecord, ExtractionStore
+from settings import PipelineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,31 @@ class WriteBudget:
 # 16 MiB objects: 6 in flight, so that each of the 4 I/O threads finds the next object queued
 # when it finishes one (measured: with exactly 4, threads idled ~6% of the time while the
 # writer filled the next; an idle I/O thread costs store write speed).
-_WRITE_BUDGET = WriteBudget(max(96, 32 * _IO_THREADS) << 20)
-_POOL_KEEP = 8  # free staging buffers kept per shape
+_MIN_WRITE_BUDGET = max(96, 32 * _IO_THREADS) << 20
+_WRITE_BUDGET = WriteBudget(_MIN_WRITE_BUDGET)
+_POOL_KEEP = 8  # free staging buffers kept per shape (raised with the budget)
+
+
+def write_budget_bytes(pipeline: PipelineSettings) -> int:
+    """The process's write budget for these settings (None = scaled by the machine's memory)."""
+    if pipeline.write_budget_mib is not None:
+        return pipeline.write_budget_mib << 20
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(_MIN_WRITE_BUDGET, min(4 << 30, memory // 32))
+
+
+def configure_host_pipeline(pipeline: PipelineSettings) -> None:
+    """Apply the settings to the process-wide write budget and prefetch depth (chunks of one
+    run share them); called at the start of every chunk."""
+    global _POOL_KEEP, PREFETCH_BATCHES
+    with _WRITE_BUDGET._changed:
+        _WRITE_BUDGET.limit = write_budget_bytes(pipeline)
+        _WRITE_BUDGET._changed.notify_all()
+    # Staging buffers that fill the budget are reused rather than faulted in afresh.
+    _POOL_KEEP = max(8, _WRITE_BUDGET.limit // (16 << 20))
+    PREFETCH_BATCHES = pipeline.prefetch_batches
+
+
 # Rows are copied and hashed in blocks of about this size: a block stays in the L2 cache (2 MiB
 # per core here, 1 MiB or more on current server CPUs) between the copy and the hash.
 _HASH_BLOCK_BYTES = 512 << 10

@@ -18,7 +18,7 @@ from typing import Any
 from hsx.dataset import validate_dataset
 from hsx.engine.options import resolve_dtype
 from hsx.errors import ConfigError, EngineError, StoreError
-from hsx.extract import RunContext, extract_chunk
+from hsx.extract import RunContext, configure_host_pipeline, extract_chunk
 from hsx.limits import resolve_lengths
 from hsx.plan import Plan, read_config
 from hsx.planning import (
@@ -186,6 +186,7 @@ def extract_work_chunk(
     spec = run_spec(settings)
     settings = spec.settings
     engine = get_engine(settings.model, settings.engine, spec.layer_ids)
+    configure_host_pipeline(settings.pipeline)
     try:
         return extract_chunk(store, chunk, engine, settings.engine.batch_tokens, context)
     except EngineError:

@@ -5,6 +5,7 @@ from settings.models import (
     DataSettings,
     EngineSettings,
     HsxSettings,
+    PipelineSettings,
     RunSettings,
     StoreSettings,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "DataSettings",
     "EngineSettings",
     "HsxSettings",
+    "PipelineSettings",
     "RunSettings",
     "StoreSettings",
 ]

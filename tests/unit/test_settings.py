@@ -52,3 +52,22 @@ def test_cli_values_and_environment_are_validated_together(
     assert settings.engine.dtype == "float32"
     assert settings.engine.seed == 7
     assert settings.data.max_length == 512
+
+
+def test_pipeline_tunables_reach_the_process_wide_budget() -> None:
+    """The write budget and prefetch depth are settings: None scales with the machine's memory
+    (never below the 2-core measurement), a number is taken as it is, and every chunk applies
+    them to the process-wide budget its writers share."""
+    from hsx import extract
+    from settings import PipelineSettings
+
+    auto = extract.write_budget_bytes(PipelineSettings())
+    assert extract._MIN_WRITE_BUDGET <= auto <= 4 << 30
+    try:
+        extract.configure_host_pipeline(PipelineSettings(write_budget_mib=512, prefetch_batches=3))
+        assert extract._WRITE_BUDGET.limit == 512 << 20
+        assert extract.PREFETCH_BATCHES == 3
+        assert extract._POOL_KEEP == 32  # enough staging buffers to fill the budget
+    finally:
+        extract.configure_host_pipeline(PipelineSettings())
+    assert extract._WRITE_BUDGET.limit == auto and extract.PREFETCH_BATCHES == 2

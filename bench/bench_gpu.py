@@ -176,6 +176,8 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
             folder.mkdir(parents=True)
             url = str(folder / "run.zarr")
             settings = settings_for(args, url, in_process)
+            # The engine process sends its totals since it started: keep them to subtract.
+            engine_before = {k: v for k, v in timings.snapshot().items() if k.startswith("engine:")}
             timings.reset()
             pass_started = time.perf_counter()
             summary = plan_and_create_store(settings)
@@ -190,7 +192,12 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
                     )
                 )
             seconds = time.perf_counter() - pass_started
-            stages = {k: vars(v) for k, v in timings.snapshot().items()}
+            stages = {}
+            for k, v in timings.snapshot().items():
+                if k in engine_before:
+                    b = engine_before[k]
+                    v = timings.Stage(v.seconds - b.seconds, v.count - b.count, v.nbytes - b.nbytes)
+                stages[k] = vars(v)
             tokens = sum(r.tokens for r in records if r)
             nbytes = _dir_bytes(Path(url))
             drop_page_cache([f for f in Path(url).rglob("*") if f.is_file()])

@@ -91,3 +91,18 @@ def exit_description(returncode: int | None) -> str:
         meaning = signal.strsignal(sig) or sig.name
         return f"killed by {sig.name} ({meaning.lower()})"
     return f"exit code {returncode}"
+
+
+def cpu_thread_binding(tensor_parallel_size: int) -> str | None:
+    """vLLM's CPU build binds each TP rank's threads to a NUMA node and refuses more ranks than
+    nodes ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"): split this
+    process's CPUs evenly between the ranks instead, as ``VLLM_CPU_OMP_THREADS_BIND`` wants
+    them ("0-7|8-15"). None for one rank, or when there are fewer CPUs than ranks."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if tensor_parallel_size <= 1 or len(cpus) < tensor_parallel_size:
+        return None
+    per_rank = len(cpus) // tensor_parallel_size
+    groups = [cpus[i * per_rank : (i + 1) * per_rank] for i in range(tensor_parallel_size)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)

@@ -28,7 +28,7 @@ import torch
 from hsx import timings
 from hsx.engine import connector as hsx_connector
 from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
-from hsx.engine.platform import enable_fault_reports, request_amx
+from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
 from hsx.engine.result_ring import ring_granules
 from hsx.engine.results import ResultRendezvous
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
@@ -68,10 +68,13 @@ class VllmHiddenStateEngine:
         self._spool = tempfile.mkdtemp(prefix="hsx-spool-", dir=shm)
         # Rows and finished requests meet here, in either order (copies are asynchronous on
         # GPUs; a child engine process delivers through the shared-memory result ring).
-        ring_bytes = 0 if engine.in_process else result_ring_bytes(engine, self._spool)
+        # Under tensor parallelism the workers (and rank 0's connector) are processes of their
+        # own even with the engine core in this one: they hand over through the ring too.
+        across_processes = not engine.in_process or engine.tensor_parallel_size > 1
+        ring_bytes = result_ring_bytes(engine, self._spool) if across_processes else 0
         self._rendezvous = ResultRendezvous(
             self._check,
-            spool_dir=None if engine.in_process else self._spool,
+            spool_dir=self._spool if across_processes else None,
             ring_bytes=ring_bytes,
         )
         if engine.in_process:
@@ -101,6 +104,14 @@ class VllmHiddenStateEngine:
             ring_granules=ring_granules(ring_bytes) if ring_bytes else 0,
         )
         self.attention_backend = kwargs.get("attention_backend")
+        # Set for the engine's processes only (they copy the environment when they start):
+        # left set, it would bind a later one-rank engine of this process to one rank's CPUs.
+        bind_set_here = False
+        if engine.tensor_parallel_size > 1 and not torch.cuda.is_available():
+            binding = cpu_thread_binding(engine.tensor_parallel_size)
+            if binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding  # a user's own is kept
+                bind_set_here = True
         enable_fault_reports()  # a fatal signal in a kernel prints every thread's traceback
         request_amx()
         started = time.perf_counter()
@@ -116,6 +127,9 @@ class VllmHiddenStateEngine:
         except BaseException:
             hsx_connector.unregister_sink(self._sink_id)
             raise
+        finally:
+            if bind_set_here:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         self.load_seconds = time.perf_counter() - started
         logger.info(
             "vLLM engine for %s ready in %.1f s (dtype %s, layers %s)",

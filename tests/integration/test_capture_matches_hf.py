@@ -159,3 +159,34 @@ def test_engine_in_child_process_hands_states_over(
     assert stages["engine:d2h_copy"].nbytes > 0  # the engine process's own timings came along
     assert verify_store(ExtractionStore.open(url)).ok
     assert_matches_hf(tiny_llama, sample_dataset, url)
+
+
+def test_tensor_parallel_2_on_cpu_every_state_once_equal_to_hf(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """TP=2 on vLLM's CPU build (two worker processes, gloo), the engine core in this process:
+    rank 0's connector hands each request's states over through the ring exactly once (one
+    announcement per sample), and they equal HF's."""
+    from hsx import timings
+    from hsx.engine.vllm_engine import close_all_engines
+
+    url = str(tmp_path / "tp2.zarr")
+    settings = make_settings(
+        tiny_llama,
+        sample_dataset,
+        url,
+        data={"max_samples": SAMPLES},
+        engine={"tensor_parallel_size": 2, "in_process": True},
+        layout={"min_work_chunk_tokens": 512, "rows_per_chunk": 64},
+    )
+    close_all_engines()
+    timings.reset()
+    try:
+        run_extraction(settings)
+    finally:
+        close_all_engines()
+    stages = timings.snapshot()
+    assert stages["handover_ring"].count == SAMPLES, sorted(stages)
+    assert "handover_file" not in stages
+    assert verify_store(ExtractionStore.open(url)).ok
+    assert_matches_hf(tiny_llama, sample_dataset, url)

@@ -71,3 +71,17 @@ def test_pipeline_tunables_reach_the_process_wide_budget() -> None:
     finally:
         extract.configure_host_pipeline(PipelineSettings())
     assert extract._WRITE_BUDGET.limit == auto and extract.PREFETCH_BATCHES == 2
+
+
+def test_cpu_thread_binding_splits_this_process_cpus_between_ranks() -> None:
+    import os
+
+    from hsx.engine.platform import cpu_thread_binding
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert cpu_thread_binding(1) is None
+    if len(cpus) >= 2:
+        groups = [g.split(",") for g in (cpu_thread_binding(2) or "").split("|")]
+        assert len(groups) == 2 and len(groups[0]) == len(groups[1]) == len(cpus) // 2
+        assert {int(c) for g in groups for c in g} <= set(cpus)
+    assert cpu_thread_binding(len(cpus) + 1) is None  # fewer CPUs than ranks: vLLM decides

@@ -154,18 +154,28 @@ _WRITE_BUDGET = WriteBudget(_MIN_WRITE_BUDGET)
 _POOL_KEEP = 8  # free staging buffers kept per shape (raised with the budget)
 
 
+def io_threads(pipeline: PipelineSettings) -> int:
+    return pipeline.io_threads or _IO_THREADS
+
+
 def write_budget_bytes(pipeline: PipelineSettings) -> int:
     """The process's write budget for these settings (None = scaled by the machine's memory)."""
     if pipeline.write_budget_mib is not None:
         return pipeline.write_budget_mib << 20
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(_MIN_WRITE_BUDGET, min(4 << 30, memory // 32))
+    floor = max(96, 32 * io_threads(pipeline)) << 20
+    return max(floor, min(4 << 30, memory // 32))
 
 
 def configure_host_pipeline(pipeline: PipelineSettings) -> None:
     """Apply the settings to the process-wide write budget and prefetch depth (chunks of one
     run share them); called at the start of every chunk."""
-    global _POOL_KEEP, PREFETCH_BATCHES
+    global _POOL_KEEP, PREFETCH_BATCHES, _IO_POOL
+    threads = io_threads(pipeline)
+    if threads != _IO_POOL._max_workers:
+        # A new pool; the old one finishes what was submitted to it and ends.
+        old, _IO_POOL = _IO_POOL, ThreadPoolExecutor(threads, thread_name_prefix="hsx-io")
+        old.shutdown(wait=False)
     with _WRITE_BUDGET._changed:
         _WRITE_BUDGET.limit = write_budget_bytes(pipeline)
         _WRITE_BUDGET._changed.notify_all()

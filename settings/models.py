@@ -209,6 +209,14 @@ class PipelineSettings(BaseModel):
         description="Batches a chunk keeps queued at the engine beyond the one it waits for "
         "(0 left the engine idle 26% of the time on CPU).",
     )
+    io_threads: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Threads writing storage objects (writes release the GIL; an object "
+        "store's latency overlaps). None = cpus/2 within 4..16 (4 measured on 2 cores; 8 on the "
+        "16-core H200 machine took the disk store from 0.85 to 0.999 of plain).",
+    )
     write_budget_mib: int | None = Field(
         None,
         ge=16,

@@ -71,6 +71,7 @@ def test_pipeline_tunables_reach_the_process_wide_budget() -> None:
     finally:
         extract.configure_host_pipeline(PipelineSettings())
     assert extract._WRITE_BUDGET.limit == auto and extract.PREFETCH_BATCHES == 2
+    assert extract._IO_POOL._max_workers == extract._IO_THREADS
 
 
 def test_cpu_thread_binding_splits_this_process_cpus_between_ranks() -> None:

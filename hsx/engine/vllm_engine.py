@@ -8,10 +8,12 @@ offline ``LLM`` is not safe to drive from several threads.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -29,7 +31,7 @@ from hsx import timings
 from hsx.engine import connector as hsx_connector
 from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
-from hsx.engine.result_ring import ring_granules
+from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
 from hsx.engine.results import ResultRendezvous
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.plan import read_config, text_config
@@ -126,10 +128,18 @@ class VllmHiddenStateEngine:
             self._ready.result()
         except BaseException:
             hsx_connector.unregister_sink(self._sink_id)
+            self._rendezvous.close()
+            shutil.rmtree(self._spool, ignore_errors=True)
             raise
         finally:
             if bind_set_here:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        # The engine's processes opened the ring and the FIFO while it was built: their names can
+        # go now, so that a process killed later leaves no GiBs of /dev/shm behind (the memory
+        # is freed with the last mapping). Spool files of a full ring still use the folder.
+        for name in (RING_FILE, READY_FIFO):
+            (Path(self._spool) / name).unlink(missing_ok=True)
+        atexit.register(shutil.rmtree, self._spool, True)
         self.load_seconds = time.perf_counter() - started
         logger.info(
             "vLLM engine for %s ready in %.1f s (dtype %s, layers %s)",

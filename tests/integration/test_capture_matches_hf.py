@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -123,6 +124,34 @@ def test_tiny_deepseek_memory_store_matches_hf(tiny_deepseek: Path, sample_datas
     assert_matches_hf(tiny_deepseek, sample_dataset, url)
 
 
+def _extract_across_processes(
+    model: Path, dataset: Path, url: str, engine: dict[str, object]
+) -> dict[str, Any]:
+    """Extract with a fresh engine of these settings; the stage timings of that run (the
+    hand-over counts among them), once every state was checked against HF."""
+    from hsx import timings
+    from hsx.engine.vllm_engine import close_all_engines
+
+    settings = make_settings(
+        model,
+        dataset,
+        url,
+        data={"max_samples": SAMPLES},
+        engine=engine,
+        layout={"min_work_chunk_tokens": 512, "rows_per_chunk": 64},
+    )
+    close_all_engines()
+    timings.reset()
+    try:
+        run_extraction(settings)
+    finally:
+        close_all_engines()
+    stages: dict[str, Any] = dict(timings.snapshot())
+    assert verify_store(ExtractionStore.open(url)).ok
+    assert_matches_hf(model, dataset, url)
+    return stages
+
+
 @pytest.mark.parametrize(
     ("ring_gib", "via"),
     [(None, "handover_ring"), (1e-4, "handover_file")],
@@ -134,31 +163,16 @@ def test_engine_in_child_process_hands_states_over(
     """vLLM's default (and GPU) mode: the engine core in its own process. States come through
     the shared-memory ring; with a ring of one granule most requests find it full and come
     through spool files instead. Either way every state equals HF's."""
-    from hsx import timings
-    from hsx.engine.vllm_engine import close_all_engines
-
-    url = str(tmp_path / "mp.zarr")
-    settings = make_settings(
+    stages = _extract_across_processes(
         tiny_llama,
         sample_dataset,
-        url,
-        data={"max_samples": SAMPLES},
-        engine={"in_process": False, "result_ring_gib": ring_gib},
-        layout={"min_work_chunk_tokens": 512, "rows_per_chunk": 64},
+        str(tmp_path / "mp.zarr"),
+        {"in_process": False, "result_ring_gib": ring_gib},
     )
-    close_all_engines()
-    timings.reset()
-    try:
-        run_extraction(settings)
-    finally:
-        close_all_engines()
-    stages = timings.snapshot()
     assert stages[via].count > 0, sorted(stages)
     if via == "handover_ring":
         assert "handover_file" not in stages  # the default ring holds every request in flight
     assert stages["engine:d2h_copy"].nbytes > 0  # the engine process's own timings came along
-    assert verify_store(ExtractionStore.open(url)).ok
-    assert_matches_hf(tiny_llama, sample_dataset, url)
 
 
 def test_tensor_parallel_2_on_cpu_every_state_once_equal_to_hf(
@@ -167,26 +181,11 @@ def test_tensor_parallel_2_on_cpu_every_state_once_equal_to_hf(
     """TP=2 on vLLM's CPU build (two worker processes, gloo), the engine core in this process:
     rank 0's connector hands each request's states over through the ring exactly once (one
     announcement per sample), and they equal HF's."""
-    from hsx import timings
-    from hsx.engine.vllm_engine import close_all_engines
-
-    url = str(tmp_path / "tp2.zarr")
-    settings = make_settings(
+    stages = _extract_across_processes(
         tiny_llama,
         sample_dataset,
-        url,
-        data={"max_samples": SAMPLES},
-        engine={"tensor_parallel_size": 2, "in_process": True},
-        layout={"min_work_chunk_tokens": 512, "rows_per_chunk": 64},
+        str(tmp_path / "tp2.zarr"),
+        {"tensor_parallel_size": 2, "in_process": True},
     )
-    close_all_engines()
-    timings.reset()
-    try:
-        run_extraction(settings)
-    finally:
-        close_all_engines()
-    stages = timings.snapshot()
     assert stages["handover_ring"].count == SAMPLES, sorted(stages)
     assert "handover_file" not in stages
-    assert verify_store(ExtractionStore.open(url)).ok
-    assert_matches_hf(tiny_llama, sample_dataset, url)

@@ -254,6 +254,20 @@ def tokenize_conversation(
 
     ``where`` (file:line, say) prefixes error messages.
     """
+    return tokenize_conversations(tokenizer, [messages], max_length, wheres=[where])[0]
+
+
+def tokenize_conversations(
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: Sequence[Sequence[ChatMessage] | Sequence[Mapping[str, Any]]],
+    max_length: int,
+    *,
+    wheres: Sequence[str] | None = None,
+) -> list[TokenizedSample]:
+    """``tokenize_conversation`` for many conversations at once, with the same result for each.
+
+    The texts go to the tokenizer in one call: the Rust tokenizer encodes a batch on all cores
+    (one text per call measured 0.45 s of a 1.4 s plan of 400 chat conversations, on one core)."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, found {max_length}")
     if not getattr(tokenizer, "is_fast", False):
@@ -261,38 +275,68 @@ def tokenize_conversation(
             f"expected a fast (tokenizers-backed) tokenizer for offset mapping, "
             f"found {type(tokenizer).__name__}"
         )
+    wheres = wheres or [f"conversation {i}" for i in range(len(conversations))]
     if not tokenizer.chat_template:
-        raise ConfigError(f"expected a tokenizer with a chat template, found none ({where})")
-    chat = _normalize(messages)
-    text = _render(tokenizer, chat, prompt=False)
-    spans = _assistant_spans(tokenizer, chat, text, where)
+        raise ConfigError(f"expected a tokenizer with a chat template, found none ({wheres[0]})")
+    if not conversations:
+        return []
+    texts: list[str] = []
+    spans: list[list[tuple[int, int]]] = []
+    for messages, where in zip(conversations, wheres, strict=True):
+        chat = _normalize(messages)
+        texts.append(_render(tokenizer, chat, prompt=False))
+        spans.append(_assistant_spans(tokenizer, chat, texts[-1], where))
     # The template already writes BOS and friends into the text: add_special_tokens would double them.
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = encoding["input_ids"]
-    offsets: list[tuple[int, int]] = encoding["offset_mapping"]
-    special = _special_ids(tokenizer)
+    encodings = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    special = np.fromiter(_special_ids(tokenizer), dtype=np.int64)
+    samples = []
+    for i, text in enumerate(texts):
+        ids = np.asarray(encodings["input_ids"][i], dtype=np.int32)  # [tokens]
+        offsets = np.asarray(encodings["offset_mapping"][i], dtype=np.int64).reshape(-1, 2)
+        mask = _loss_mask(ids, offsets, np.isin(ids, special), spans[i], text)
+        samples.append(
+            TokenizedSample(
+                input_ids=ids[:max_length].copy(),
+                loss_mask=mask[:max_length].copy(),
+                truncated=len(ids) > max_length,
+            )
+        )
+    return samples
+
+
+def _loss_mask(
+    ids: np.ndarray,  # [tokens]
+    offsets: np.ndarray,  # [tokens, 2] character (start, end) of each token
+    is_special: np.ndarray,  # [tokens] bool
+    spans: list[tuple[int, int]],
+    text: str,
+) -> np.ndarray:
+    """1 on the tokens overlapping each assistant content span (a byte-level token may straddle
+    the boundary), then on the end-of-turn token after it, past any whitespace-only tokens."""
     mask = np.zeros(len(ids), dtype=np.uint8)  # [tokens]
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    # Offsets of a plain encoding never go back; searching them is exact then (else walk).
+    sorted_offsets = bool(np.all(starts[1:] >= starts[:-1]) and np.all(ends[1:] >= ends[:-1]))
     token = 0
     for span_start, span_end in spans:
-        # Tokens overlapping the content span: a byte-level token may straddle the boundary.
-        while token < len(ids) and offsets[token][1] <= span_start:
-            token += 1
-        while token < len(ids) and offsets[token][0] < span_end:
-            mask[token] = 1
-            token += 1
-        # Then the end-of-turn token, past any whitespace-only tokens the template puts first.
+        if sorted_offsets:
+            token = max(token, int(np.searchsorted(ends, span_start, side="right")))
+            stop = max(token, int(np.searchsorted(starts, span_end, side="left")))
+        else:
+            while token < len(ids) and ends[token] <= span_start:
+                token += 1
+            stop = token
+            while stop < len(ids) and starts[stop] < span_end:
+                stop += 1
+        mask[token:stop] = 1
+        token = stop
         end = token
-        while end < len(ids) and ids[end] not in special and not text[slice(*offsets[end])].strip():
+        while end < len(ids) and not is_special[end] and not text[starts[end] : ends[end]].strip():
             end += 1
-        if end < len(ids) and ids[end] in special:
+        if end < len(ids) and is_special[end]:
             mask[token : end + 1] = 1
             token = end + 1
-    truncated = len(ids) > max_length
-    return TokenizedSample(
-        input_ids=np.asarray(ids[:max_length], dtype=np.int32),
-        loss_mask=mask[:max_length],
-        truncated=truncated,
-    )
+    return mask
 
 
 def fingerprint_file(path: Path) -> str:

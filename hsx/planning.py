@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 
 from hsx.dataset import (
+    Conversation,
     fingerprint_file,
     fingerprint_tokenizer,
     iter_conversations,
-    tokenize_conversation,
+    tokenize_conversations,
 )
 from hsx.errors import ConfigError
 from hsx.layers import convert_layer_ids, default_layer_ids
@@ -25,6 +26,10 @@ from hsx.token_spool import TokenSpool
 from settings import HsxSettings
 
 logger = logging.getLogger(__name__)
+
+# Conversations tokenized per call: enough texts for every core of a GPU node, few enough that
+# the texts and encodings of one batch stay small.
+_TOKENIZE_BATCH = 256
 
 
 def resolve_layer_ids(settings: HsxSettings, config: dict[str, Any]) -> tuple[int, ...]:
@@ -123,19 +128,29 @@ def _build_plan(
     offsets: list[int] = []
     lines: list[int] = []
     limit = settings.data.max_samples
+
+    def tokenize(batch: list[Conversation]) -> None:
+        samples = tokenize_conversations(
+            tokenizer,
+            [conversation.messages for conversation in batch],
+            max_length,
+            wheres=[f"{settings.dataset}:{c.line_number}" for c in batch],
+        )
+        for conversation, sample in zip(batch, samples, strict=True):
+            spool.append(sample.input_ids, sample.loss_mask)
+            lengths.append(sample.num_tokens)
+            offsets.append(conversation.byte_offset)
+            lines.append(conversation.line_number)
+        batch.clear()
+
+    batch: list[Conversation] = []
     for conversation in iter_conversations(settings.dataset):
         if limit is not None and conversation.index >= limit:
             break
-        sample = tokenize_conversation(
-            tokenizer,
-            conversation.messages,
-            max_length,
-            where=f"{settings.dataset}:{conversation.line_number}",
-        )
-        spool.append(sample.input_ids, sample.loss_mask)
-        lengths.append(sample.num_tokens)
-        offsets.append(conversation.byte_offset)
-        lines.append(conversation.line_number)
+        batch.append(conversation)
+        if len(batch) == _TOKENIZE_BATCH:
+            tokenize(batch)
+    tokenize(batch)
     lengths_np = np.asarray(lengths, dtype=np.int32)
     layout = settings.layout
     total = int(lengths_np.sum())

@@ -12,10 +12,12 @@ import xxhash
 
 from hsx.dataset import (
     Conversation,
+    _loss_mask,
     fingerprint_file,
     fingerprint_tokenizer,
     iter_conversations,
     tokenize_conversation,
+    tokenize_conversations,
     validate_dataset,
 )
 from hsx.errors import DatasetError
@@ -377,3 +379,60 @@ def test_chat_length_conversations(tokenizer: Any) -> None:
     median = float(np.median(lengths))
     assert 400 < median < 1200, f"expected a chat-like median length, found {median}"
     assert max(lengths) > 3 * median, "expected a long tail"
+
+
+def _walked_mask(
+    ids: np.ndarray, offsets: np.ndarray, special: set[int], spans: Any, text: str
+) -> np.ndarray:
+    """The loss mask by walking tokens one by one (what the offset search must equal)."""
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    token = 0
+    for span_start, span_end in spans:
+        while token < len(ids) and offsets[token][1] <= span_start:
+            token += 1
+        while token < len(ids) and offsets[token][0] < span_end:
+            mask[token] = 1
+            token += 1
+        end = token
+        while end < len(ids) and ids[end] not in special and not text[slice(*offsets[end])].strip():
+            end += 1
+        if end < len(ids) and ids[end] in special:
+            mask[token : end + 1] = 1
+            token = end + 1
+    return mask
+
+
+def test_batched_tokenization_equals_one_by_one_and_the_walked_mask(tokenizer: Any) -> None:
+    """Planning tokenizes batches in one call: every sample equals its own tokenization
+    (ids, mask, truncation), and the searched mask equals a token-by-token walk, also for
+    offsets that go back (where the search falls back to walking)."""
+    from hsx.dataset import _assistant_spans, _normalize, _render, _special_ids
+    from hsx.sample_data import generate_conversations
+
+    conversations = [c["messages"] for c in generate_conversations(60, seed=5, chat_lengths=True)]
+    for max_length in (1 << 16, 300):
+        batched = tokenize_conversations(tokenizer, conversations, max_length)
+        for messages, sample in zip(conversations, batched, strict=True):
+            alone = tokenize_conversation(tokenizer, messages, max_length)
+            assert np.array_equal(sample.input_ids, alone.input_ids)
+            assert np.array_equal(sample.loss_mask, alone.loss_mask)
+            assert sample.truncated == alone.truncated
+    assert any(s.truncated for s in batched) and not all(s.truncated for s in batched)
+    special = _special_ids(tokenizer)
+    special_np = np.fromiter(special, dtype=np.int64)
+    for messages in conversations[:20]:
+        chat_ = _normalize(messages)
+        text = _render(tokenizer, chat_, prompt=False)
+        spans = _assistant_spans(tokenizer, chat_, text, "test")
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoding["input_ids"])
+        offsets = np.asarray(encoding["offset_mapping"]).reshape(-1, 2)
+        expected = _walked_mask(ids, offsets, special, spans, text)
+        assert expected.sum() > 0
+        searched = _loss_mask(ids, offsets, np.isin(ids, special_np), spans, text)
+        assert np.array_equal(searched, expected)
+        # A token whose offsets go back (as some tokenizers give for added tokens): walked.
+        bent = offsets.copy()
+        bent[1] = (0, 0)
+        walked = _walked_mask(ids, bent, special, spans, text)
+        assert np.array_equal(_loss_mask(ids, bent, np.isin(ids, special_np), spans, text), walked)

@@ -44,7 +44,6 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _settings(model: Path, dataset: Path, store: str, dtype: str):  # type: ignore[no-untyped-def]

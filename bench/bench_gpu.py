@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The multi-GPU docs: NVLink multicast stays off in every process hsx starts.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -152,6 +151,67 @@ def raw_read(path: Path, threads: int) -> float:
     return time.perf_counter() - started
 
 
+class Timeline:
+    """Samples the pipeline every 50 ms while a pass runs: what the store wrote, how busy the
+    engine was, how much the write budget held, how many objects waited for an I/O thread. The
+    report bins it, so a slow pass shows which stage ran dry or backed up, and when."""
+
+    def __init__(self, period: float = 0.05) -> None:
+        self.period = period
+        self.samples: list[tuple[float, ...]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Timeline:
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from hsx import extract, timings
+
+        while not self._stop.wait(self.period):
+            stages = timings.snapshot()
+
+            def get(name: str, field: str, stages: dict[str, Any] = stages) -> float:
+                stage = stages.get(name) or stages.get(f"engine:{name}")
+                return float(getattr(stage, field)) if stage else 0.0
+
+            self.samples.append(
+                (
+                    time.perf_counter() - self._started,
+                    get("write", "nbytes"),
+                    get("engine_step", "seconds"),
+                    get("append", "nbytes"),
+                    float(extract._WRITE_BUDGET.used),
+                    float(extract._IO_POOL._work_queue.qsize()),
+                )
+            )
+
+    def binned(self, width: float = 0.5) -> list[dict[str, float]]:
+        rows, last = [], (0.0,) * 6
+        edge = width
+        for sample in self.samples:
+            if sample[0] >= edge:
+                dt = sample[0] - last[0] or width
+                rows.append(
+                    {
+                        "t": round(sample[0], 2),
+                        "write_gbs": round((sample[1] - last[1]) / dt / 1e9, 2),
+                        "engine_busy": round((sample[2] - last[2]) / dt, 2),
+                        "append_gbs": round((sample[3] - last[3]) / dt / 1e9, 2),
+                        "budget_mib": round(sample[4] / 2**20),
+                        "io_queued": int(sample[5]),
+                    }
+                )
+                last, edge = sample, edge + width
+        return rows
+
+
 def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
     import numpy as np
 
@@ -170,28 +230,36 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
     engine.extract([np.asarray([1, 2, 3])])  # warm-up, as for plain
     passes = []
     try:
-        for where in args.stores.split(","):
+        for spec in args.stores.split(","):
+            # "disk" or "disk:io_threads=16:write_budget_mib=8192": pipeline settings per pass.
+            where, *tunables = spec.split(":")
             folder = locations[where]
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             url = str(folder / "run.zarr")
             settings = settings_for(args, url, in_process)
+            if tunables:
+                pipeline = {k: int(v) for k, v in (t.split("=") for t in tunables)}
+                settings = settings.model_copy(
+                    update={"pipeline": settings.pipeline.model_copy(update=pipeline)}
+                )
             # The engine process sends its totals since it started: keep them to subtract.
             engine_before = {k: v for k, v in timings.snapshot().items() if k.startswith("engine:")}
             timings.reset()
             pass_started = time.perf_counter()
-            summary = plan_and_create_store(settings)
-            plan_s = time.perf_counter() - pass_started
-            with ThreadPoolExecutor(max_workers=CHUNKS_IN_FLIGHT) as pool:  # as the flow runs
-                records = list(
-                    pool.map(
-                        extract_work_chunk,
-                        [settings] * len(summary.pending),
-                        summary.pending,
-                        [RunContext("bench")] * len(summary.pending),
+            with Timeline() as timeline:
+                summary = plan_and_create_store(settings)
+                plan_s = time.perf_counter() - pass_started
+                with ThreadPoolExecutor(max_workers=CHUNKS_IN_FLIGHT) as pool:  # as the flow runs
+                    records = list(
+                        pool.map(
+                            extract_work_chunk,
+                            [settings] * len(summary.pending),
+                            summary.pending,
+                            [RunContext("bench")] * len(summary.pending),
+                        )
                     )
-                )
-            seconds = time.perf_counter() - pass_started
+                seconds = time.perf_counter() - pass_started
             stages = {}
             for k, v in timings.snapshot().items():
                 if k in engine_before:
@@ -207,7 +275,7 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
             raw_s = raw_read(Path(url), threads=READERS)
             passes.append(
                 {
-                    "store": where,
+                    "store": spec,
                     "tokens": tokens,
                     "seconds": seconds,
                     "plan_seconds": plan_s,
@@ -219,6 +287,7 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
                     "verify_gb_per_s": nbytes / verify_s / 1e9,
                     "raw_read_gb_per_s": nbytes / raw_s / 1e9,
                     "stages": stages,
+                    "timeline": timeline.binned(),
                 }
             )
             print(json.dumps({"progress": passes[-1]}), file=sys.stderr, flush=True)
@@ -331,6 +400,20 @@ def report(results: list[dict[str, Any]], raw_write_gbs: float | None) -> None:
                 print(
                     f"- {r['side']} {p['store']} ({p['seconds']:.1f}s wall, plan {p['plan_seconds']:.1f}s): {line}"
                 )
+    print("\ntimeline (0.5 s bins: store GB/s written, engine busy fraction, GB/s appended, write")
+    print("budget held MiB, objects waiting for an I/O thread):")
+    for r in results:
+        for p in r.get("passes", []):
+            if p.get("timeline"):
+                print(f"- {r['side']} {p['store']}:")
+                print(
+                    "  "
+                    + " ".join(
+                        f"{b['t']:.1f}:{b['write_gbs']:.2f}/{b['engine_busy']:.2f}/"
+                        f"{b['append_gbs']:.2f}/{b['budget_mib']}/{b['io_queued']}"
+                        for b in p["timeline"]
+                    )
+                )
     print("\nRESULTS " + json.dumps({"results": results, "raw_write_gb_per_s": raw_write_gbs}))
 
 
@@ -360,6 +443,19 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="hsx-gpu-bench-"))
     prepare(args, work)
+
+    def disk_raw_write() -> float | None:
+        if "disk" not in args.stores:
+            return None
+        from hsx.extract import _IO_THREADS
+
+        total = 4 << 30 if args.tiny else 8 << 30
+        return raw_write(Path(args.disk_dir) / "raw", total, _IO_THREADS)
+
+    # Before and after the sides: a virtual disk's speed can change while it is written.
+    raw_before = disk_raw_write()
+    if raw_before is not None:
+        print(json.dumps({"raw_write_before_gb_per_s": raw_before}), flush=True)
     results = []
     for side in args.sides.split(","):
         results.append(run_side(args, side))
@@ -369,15 +465,9 @@ def main() -> None:
             )[:2000],
             flush=True,
         )
-    raw = None
-    if "disk" in args.stores:
-        from hsx.extract import _IO_THREADS
-
-        raw = raw_write(
-            Path(args.disk_dir) / "raw",
-            min(8 << 30, 4 << 30 if args.tiny else 8 << 30),
-            _IO_THREADS,
-        )
+    raw = disk_raw_write()
+    if raw_before is not None:
+        print(f"\nraw O_DIRECT write before the sides: {raw_before:.2f} GB/s")
     report(results, raw)
     shutil.rmtree(work, ignore_errors=True)
 

@@ -15,4 +15,4 @@ if [ "${PARITY:-1}" = 1 ]; then
 fi
 timeout "${BENCH_TIMEOUT:-480}" python3 bench/bench_gpu.py --conversations "${CONV:-400}" \
   --sides "${SIDES:-plain,inproc,child}" --stores "${STORES:-shm,disk}" --side-timeout "${SIDE_TIMEOUT:-200}" \
-  2>&1 | tee "$out/bench.log" | grep -v "^RESULTS" | grep -v -i "warn" | tail -45
+  2>&1 | tee "$out/bench.log" | grep -v "^RESULTS" | grep -v -i "warn" | tail -80

@@ -9,7 +9,6 @@ import os
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "hsx")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 

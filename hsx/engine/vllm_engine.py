@@ -83,9 +83,10 @@ class VllmHiddenStateEngine:
             hsx_connector.register_sink(self._sink_id, self._rendezvous.deliver)
         # Read by vLLM when the engine is built: in-process core (fast start) or a child process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine.in_process else "1"
-        if not engine.in_process:
-            # This process already runs hsx's threads (I/O, writers, Prefect's): a fork would
-            # copy their locks mid-use into the engine core. Spawn starts it clean.
+        if across_processes:
+            # This process already runs hsx's threads (I/O, writers, Prefect's, the tokenizer's
+            # pool): a fork would copy their locks mid-use into the engine core or the TP
+            # workers. Spawn starts them clean.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # One item per submitted batch: the driver takes a whole batch per queue operation
         # instead of trading the GIL with the submitting thread for every prompt.

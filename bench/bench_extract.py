@@ -122,8 +122,8 @@ def hsx_runner(
     import numpy as np
 
     from hsx.engine.vllm_engine import get_engine
-    from hsx.extract import CHUNKS_IN_FLIGHT, RunContext
-    from hsx.pipeline import extract_work_chunk, plan_and_create_store, run_spec
+    from hsx.extract import RunContext
+    from hsx.pipeline import chunk_concurrency, extract_work_chunk, plan_and_create_store, run_spec
 
     passes = 0
 
@@ -135,8 +135,9 @@ def hsx_runner(
         engine = get_engine(settings.model, settings.engine, run_spec(settings).layer_ids)
         engine.extract([np.asarray([1, 2, 3])])  # warm-up, as for plain
         started, cpu_started = time.perf_counter(), _cpu_seconds()
-        # As the flow runs them: CHUNKS_IN_FLIGHT chunks at once, without Prefect's task cost.
-        with ThreadPoolExecutor(max_workers=CHUNKS_IN_FLIGHT) as pool:
+        # As the flow runs them (as many at once), without Prefect's task cost.
+        concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
             records = list(
                 pool.map(
                     extract_work_chunk,

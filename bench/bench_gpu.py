@@ -189,11 +189,12 @@ class Timeline:
                     get("append", "nbytes"),
                     float(extract._WRITE_BUDGET.used),
                     float(extract._IO_POOL._work_queue.qsize()),
+                    float(extract._ENGINE_QUEUE.queued),
                 )
             )
 
     def binned(self, width: float = 0.5) -> list[dict[str, float]]:
-        rows, last = [], (0.0,) * 6
+        rows, last = [], (0.0,) * 7
         edge = width
         for sample in self.samples:
             if sample[0] >= edge:
@@ -206,6 +207,7 @@ class Timeline:
                         "append_gbs": round((sample[3] - last[3]) / dt / 1e9, 2),
                         "budget_mib": round(sample[4] / 2**20),
                         "io_queued": int(sample[5]),
+                        "engine_queued_k": round(sample[6] / 1000),
                     }
                 )
                 last, edge = sample, edge + width
@@ -217,8 +219,13 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
 
     from hsx import timings
     from hsx.engine.vllm_engine import close_all_engines, get_engine
-    from hsx.extract import CHUNKS_IN_FLIGHT, RunContext
-    from hsx.pipeline import extract_work_chunk, plan_and_create_store, run_spec
+    from hsx.extract import RunContext
+    from hsx.pipeline import (
+        chunk_concurrency,
+        extract_work_chunk,
+        plan_and_create_store,
+        run_spec,
+    )
     from hsx.store import ExtractionStore
     from hsx.verify import READERS, verify_store
 
@@ -250,7 +257,9 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
             with Timeline() as timeline:
                 summary = plan_and_create_store(settings)
                 plan_s = time.perf_counter() - pass_started
-                with ThreadPoolExecutor(max_workers=CHUNKS_IN_FLIGHT) as pool:  # as the flow runs
+                # As the flow runs them: as many chunks at once as fill the engine's queue.
+                concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
+                with ThreadPoolExecutor(max_workers=concurrency) as pool:
                     records = list(
                         pool.map(
                             extract_work_chunk,
@@ -401,7 +410,7 @@ def report(results: list[dict[str, Any]], raw_write_gbs: float | None) -> None:
                     f"- {r['side']} {p['store']} ({p['seconds']:.1f}s wall, plan {p['plan_seconds']:.1f}s): {line}"
                 )
     print("\ntimeline (0.5 s bins: store GB/s written, engine busy fraction, GB/s appended, write")
-    print("budget held MiB, objects waiting for an I/O thread):")
+    print("budget held MiB, objects waiting for an I/O thread, tokens queued at the engine):")
     for r in results:
         for p in r.get("passes", []):
             if p.get("timeline"):
@@ -410,7 +419,7 @@ def report(results: list[dict[str, Any]], raw_write_gbs: float | None) -> None:
                     "  "
                     + " ".join(
                         f"{b['t']:.1f}:{b['write_gbs']:.2f}/{b['engine_busy']:.2f}/"
-                        f"{b['append_gbs']:.2f}/{b['budget_mib']}/{b['io_queued']}"
+                        f"{b['append_gbs']:.2f}/{b['budget_mib']}/{b['io_queued']}/{b['engine_queued_k']}k"
                         for b in p["timeline"]
                     )
                 )

@@ -19,8 +19,8 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from hsx.extract import CHUNKS_IN_FLIGHT
-from hsx.pipeline import record_run, resolve_settings
+from hsx.extract import MAX_CHUNKS_IN_FLIGHT
+from hsx.pipeline import chunk_concurrency, record_run, resolve_settings
 from settings import HsxSettings
 from tasks.common import backoff
 from tasks.extract import extract_chunk_task
@@ -40,7 +40,8 @@ class ExtractionIncompleteError(RuntimeError):
 @flow(
     name="hsx-extract",
     validate_parameters=True,
-    task_runner=ThreadPoolTaskRunner(max_workers=CHUNKS_IN_FLIGHT),
+    # Threads start as tasks need them: the chunks in flight (sized from the plan) and the rest.
+    task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHUNKS_IN_FLIGHT + 2),
 )
 def extract_flow(settings: HsxSettings) -> dict[str, Any]:
     logger = get_run_logger()
@@ -64,12 +65,12 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
     queue = deque(pending)
     done = 0
     loop_started = time.perf_counter()
-    # CHUNKS_IN_FLIGHT chunk tasks at once: two queue batches at the engine while a third writes
-    # and commits (hsx.extract.FEEDING_CHUNKS), so the engine never waits for a commit.
+    # Enough chunk tasks at once that their batches fill the engine's queue while others write
+    # and commit (hsx.extract.chunks_in_flight): the engine never waits for a commit.
+    concurrency = chunk_concurrency(settings, int(plan["tokens"]), int(plan["chunks"]))
+    logger.info("%d work chunks in flight at once", concurrency)
     while queue or in_flight:
-        while (
-            queue and len(in_flight) < CHUNKS_IN_FLIGHT and consecutive < MAX_CONSECUTIVE_FAILURES
-        ):
+        while queue and len(in_flight) < concurrency and consecutive < MAX_CONSECUTIVE_FAILURES:
             chunk_index = queue.popleft()
             in_flight.append((chunk_index, chunk_task.submit(settings, chunk_index)))
         if not in_flight:

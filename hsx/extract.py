@@ -11,6 +11,7 @@ work chunk.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -46,27 +47,103 @@ class HiddenStateEngine(Protocol):
 # Batches a chunk keeps queued at the engine beyond the one it waits for: the engine never runs
 # dry while results are copied, written and committed (measured: idle 26% of the time without).
 PREFETCH_BATCHES = 2
-# Chunks that queue batches at the engine at once. A chunk gives its slot up as soon as its last
-# batch is queued, so the next chunk (its tokens already read) starts queuing while this one waits
-# for its last results, writes and commits. Measured without it: chunks that started together
-# finished in the same engine step, and the engine sat idle through every commit (4-9% of a run).
-FEEDING_CHUNKS = 2
-# Chunk tasks a process runs at once: the feeders plus one that drains and commits.
-CHUNKS_IN_FLIGHT = FEEDING_CHUNKS + 1
-_FEED_SLOTS = threading.BoundedSemaphore(FEEDING_CHUNKS)
+# Chunk tasks a process runs at once, without a plan to size them by (tests, benchmarks of a
+# fixed shape); extraction sizes it from the plan with chunks_in_flight().
+CHUNKS_IN_FLIGHT = 3
+MAX_CHUNKS_IN_FLIGHT = 32
 
 
-def _submit(engine: HiddenStateEngine, prompts: list[np.ndarray]) -> list[Future[torch.Tensor]]:
-    """Queue a batch without waiting, where the engine can (else compute it now)."""
-    submit = getattr(engine, "submit", None)
-    if submit is not None:
-        return cast(list[Future[torch.Tensor]], submit(prompts))
-    done: list[Future[torch.Tensor]] = []
-    for rows in engine.extract(prompts):
-        future: Future[torch.Tensor] = Future()
-        future.set_result(rows)
-        done.append(future)
-    return done
+class EngineQueue:
+    """Prompt tokens queued at the engine and not computed yet, for the whole process.
+
+    Chunks queue a batch while the total stays under a limit, in the order they asked (first
+    come, first queued, so chunks finish in about the order they started). The engine then has
+    its next steps' work whether a work chunk holds one batch or a hundred. Measured on the
+    H200 before: two "feeding" chunks of one 3.4k-token batch each queued less than one engine
+    step of 16k tokens, and the engine sat idle 20-40% of the time while chunks wrote and
+    committed. Tokens queued cost no host memory (states exist once computed); what results
+    hold is bounded per chunk (PREFETCH_BATCHES) and by the write budget."""
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self._waiting: deque[object] = deque()
+        self._changed = threading.Condition()
+
+    def acquire(self, tokens: int, limit: int) -> None:
+        """Wait for this caller's turn and room for ``tokens`` (a batch larger than the limit
+        waits for an empty queue)."""
+        ticket = object()
+        with self._changed:
+            self._waiting.append(ticket)
+            try:
+                while self._waiting[0] is not ticket or (
+                    self.queued and self.queued + tokens > limit
+                ):
+                    self._changed.wait()
+                self.queued += tokens
+            finally:
+                self._waiting.remove(ticket)
+                self._changed.notify_all()
+
+    def release(self, tokens: int) -> None:
+        with self._changed:
+            self.queued -= tokens
+            self._changed.notify_all()
+
+
+_ENGINE_QUEUE = EngineQueue()
+
+
+def engine_queue_limit(batch_tokens: int, max_num_batched_tokens: int | None) -> int:
+    """Tokens the process keeps queued at the engine: what two chunks with PREFETCH_BATCHES each
+    queued before, and at least four engine steps."""
+    return max(2 * (PREFETCH_BATCHES + 1) * batch_tokens, 4 * (max_num_batched_tokens or 16384))
+
+
+def chunks_in_flight(pipeline: PipelineSettings, queue_limit: int, chunk_tokens: float) -> int:
+    """Chunk tasks to run at once: enough chunks that their batches fill the engine's queue,
+    plus one writing and committing, within 3..MAX_CHUNKS_IN_FLIGHT (each holds a staging
+    buffer per array); ``pipeline.chunks_in_flight`` when set."""
+    if pipeline.chunks_in_flight is not None:
+        return pipeline.chunks_in_flight
+    wanted = math.ceil(queue_limit / max(chunk_tokens, 1.0)) + 1
+    return max(CHUNKS_IN_FLIGHT, min(MAX_CHUNKS_IN_FLIGHT, wanted))
+
+
+def _submit(
+    engine: HiddenStateEngine, prompts: list[np.ndarray], queue_limit: int
+) -> list[Future[torch.Tensor]]:
+    """Queue a batch without waiting for its results, where the engine can (else compute it
+    now), once the engine's queue has room; each prompt's tokens leave the queue when its rows
+    are computed."""
+    tokens = [int(prompt.shape[0]) for prompt in prompts]
+    _ENGINE_QUEUE.acquire(sum(tokens), queue_limit)
+    futures: list[Future[torch.Tensor]] = []
+    try:
+        submit = getattr(engine, "submit", None)
+        if submit is not None:
+            futures = cast(list[Future[torch.Tensor]], submit(prompts))
+        else:
+            for rows in engine.extract(prompts):
+                done: Future[torch.Tensor] = Future()
+                done.set_result(rows)
+                futures.append(done)
+    except BaseException:
+        _ENGINE_QUEUE.release(sum(tokens))
+        raise
+    for future, count in zip(futures, tokens, strict=True):
+        future.add_done_callback(_Release(count))
+    return futures
+
+
+@dataclass(frozen=True)
+class _Release:
+    """Gives a prompt's tokens back to the engine queue once its rows are computed."""
+
+    tokens: int
+
+    def __call__(self, _: Future[torch.Tensor]) -> None:
+        _ENGINE_QUEUE.release(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -388,8 +465,11 @@ def extract_chunk(
     batch_tokens: int,
     context: RunContext,
     progress: Callable[[int], None] | None = None,
+    queue_limit: int | None = None,
 ) -> CommitRecord:
-    """Extract and write ``chunk``, then write its commit record (last). Returns the record."""
+    """Extract and write ``chunk``, then write its commit record (last). Returns the record.
+    ``queue_limit``: tokens the process keeps queued at the engine (engine_queue_limit)."""
+    queue_limit = queue_limit or engine_queue_limit(batch_tokens, None)
     started_at = datetime.now(UTC)
     started = time.perf_counter()
     samples, read_digests = chunk_samples(store, chunk)
@@ -410,20 +490,15 @@ def extract_chunk(
         if progress is not None:
             progress(sum(sample.num_tokens for sample in batch))
 
-    _FEED_SLOTS.acquire()  # samples and writer are ready: queue at once when the slot frees
-    feeding = True
     try:
         for batch in batches(samples, batch_tokens):
-            queued.append((batch, _submit(engine, [sample.input_ids for sample in batch])))
+            prompts = [sample.input_ids for sample in batch]
+            queued.append((batch, _submit(engine, prompts, queue_limit)))
             if len(queued) > PREFETCH_BATCHES:
                 consume()
-        _FEED_SLOTS.release()  # everything is queued: the next chunk may start queuing
-        feeding = False
         while queued:
             consume()
     finally:
-        if feeding:
-            _FEED_SLOTS.release()
         if pending is not None:
             pending.result()
     checksums = {**read_digests, **writer.finish()}

@@ -18,7 +18,13 @@ from typing import Any
 from hsx.dataset import validate_dataset
 from hsx.engine.options import resolve_dtype
 from hsx.errors import ConfigError, EngineError, StoreError
-from hsx.extract import RunContext, configure_host_pipeline, extract_chunk
+from hsx.extract import (
+    RunContext,
+    chunks_in_flight,
+    configure_host_pipeline,
+    engine_queue_limit,
+    extract_chunk,
+)
 from hsx.limits import resolve_lengths
 from hsx.plan import Plan, read_config
 from hsx.planning import (
@@ -188,7 +194,12 @@ def extract_work_chunk(
     engine = get_engine(settings.model, settings.engine, spec.layer_ids)
     configure_host_pipeline(settings.pipeline)
     try:
-        return extract_chunk(store, chunk, engine, settings.engine.batch_tokens, context)
+        limit = engine_queue_limit(
+            settings.engine.batch_tokens, settings.engine.max_num_batched_tokens
+        )
+        return extract_chunk(
+            store, chunk, engine, settings.engine.batch_tokens, context, queue_limit=limit
+        )
     except EngineError:
         # A dead engine is rebuilt by the retry; a live one is kept for the next chunk.
         drop_engine(settings.model, settings.engine, spec.layer_ids)
@@ -210,3 +221,9 @@ def record_run(settings: HsxSettings, run_id: str, fields: dict[str, Any]) -> No
         **fields,
     }
     store.write_run_record(run_id, record)
+
+
+def chunk_concurrency(settings: HsxSettings, tokens: int, chunks: int) -> int:
+    """Work chunks to extract at once for a plan of ``tokens`` in ``chunks`` (hsx.extract)."""
+    limit = engine_queue_limit(settings.engine.batch_tokens, settings.engine.max_num_batched_tokens)
+    return chunks_in_flight(settings.pipeline, limit, tokens / max(chunks, 1))

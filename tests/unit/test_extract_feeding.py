@@ -1,7 +1,9 @@
-"""Chunks in flight hand the engine over at their last queued batch, and give it back on failure.
+"""How work chunks queue batches at the engine: the process-wide engine queue keeps the engine
+fed whether a chunk holds one batch or many, never queues more than its limit, and gives a
+failed chunk's tokens back.
 
-The engine here is a stand-in that completes queued prompts on its own thread: what is under
-test is how chunks queue work (hsx.extract), not the engine."""
+The engine here is a stand-in that computes queued prompts on its own thread, a few tokens per
+"step": what is under test is how chunks queue work (hsx.extract), not the engine."""
 
 from __future__ import annotations
 
@@ -15,22 +17,33 @@ import pytest
 import torch
 
 from hsx import extract
-from hsx.extract import CHUNKS_IN_FLIGHT, FEEDING_CHUNKS, RunContext, extract_chunk
+from hsx.extract import (
+    CHUNKS_IN_FLIGHT,
+    MAX_CHUNKS_IN_FLIGHT,
+    RunContext,
+    chunks_in_flight,
+    engine_queue_limit,
+    extract_chunk,
+)
 from hsx.store import ExtractionStore
+from settings import PipelineSettings
 from tests.unit.test_plan_store import H, K, make_plan, meta, sample_tokens
 
 pytestmark = pytest.mark.timeout(120)
 
 
 class QueueingEngine:
-    """Completes queued prompts in order on a thread of its own, a few ms per batch, and
-    records which sample each queued prompt belongs to."""
+    """Computes queued prompts in order on a thread of its own, ``step_tokens`` per 3 ms step,
+    and records the queue order and the most tokens ever queued and not yet computed."""
 
-    def __init__(self, fail_on_first_token: int | None = None) -> None:
+    def __init__(self, fail_on_first_token: int | None = None, step_tokens: int = 32) -> None:
         self.queued: list[int] = []  # first token id of each prompt, in queue order
+        self.outstanding = 0
+        self.most_outstanding = 0
         self._lock = threading.Lock()
         self._work: list[tuple[np.ndarray, Future[torch.Tensor]]] = []
         self._fail_on = fail_on_first_token
+        self._step_tokens = step_tokens
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -46,6 +59,8 @@ class QueueingEngine:
                 future: Future[torch.Tensor] = Future()
                 self._work.append((prompt, future))
                 futures.append(future)
+                self.outstanding += len(prompt)
+            self.most_outstanding = max(self.most_outstanding, self.outstanding)
         return futures
 
     def extract(self, prompts: list[np.ndarray]) -> list[torch.Tensor]:
@@ -53,9 +68,13 @@ class QueueingEngine:
 
     def _run(self) -> None:
         while not self._stop:
+            done, budget = [], self._step_tokens
             with self._lock:
-                work, self._work = self._work, []
-            for prompt, future in work:
+                while self._work and budget > 0:
+                    done.append(self._work.pop(0))
+                    budget -= len(done[-1][0])
+                    self.outstanding -= len(done[-1][0])
+            for prompt, future in done:
                 rows = torch.as_tensor(prompt, dtype=torch.float32)[:, None, None]
                 future.set_result(rows.expand(len(prompt), K, H).clone())
             time.sleep(0.003)
@@ -65,56 +84,78 @@ class QueueingEngine:
         self._thread.join()
 
 
-def _slots_free() -> int:
-    taken = 0
-    while extract._FEED_SLOTS.acquire(blocking=False):
-        taken += 1
-    for _ in range(taken):
-        extract._FEED_SLOTS.release()
-    return taken
-
-
-def test_at_most_feeding_chunks_queue_at_once_and_the_next_starts_at_a_last_batch(
-    tmp_path: Path,
-) -> None:
-    # 6 chunks of 12 samples, 2 samples a batch: 6 batches a chunk, more than it keeps queued.
-    lengths = [8] * 6 * 12
-    plan = make_plan(lengths, c=16, work=96)
+def test_small_chunks_fill_the_engine_queue_up_to_its_limit(tmp_path: Path) -> None:
+    """Chunks of one batch each (as a short dataset cut into many chunks gives): as many chunks
+    as it takes queue at once, so the engine has several steps of work; never more than the
+    limit; every token leaves the queue once computed."""
+    lengths = [8] * 2 * 24  # 24 chunks of 2 samples = 16 tokens, one batch each
+    plan = make_plan(lengths, c=16, work=16)
     store = ExtractionStore.open_or_create(str(tmp_path / "s"), plan, meta())
-    engine = QueueingEngine()
+    limit = 96  # 3 engine steps of 32 tokens, 6 chunks' worth
+    concurrency = chunks_in_flight(PipelineSettings(), limit, plan.total_tokens / len(plan.chunks))
+    assert concurrency == 7  # 6 chunks fill the queue, one more writes and commits
+    engine = QueueingEngine(step_tokens=32)
     try:
-        with ThreadPoolExecutor(max_workers=CHUNKS_IN_FLIGHT) as pool:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
             records = list(
                 pool.map(
-                    lambda chunk: extract_chunk(store, chunk, engine, 16, RunContext("r")),
+                    lambda chunk: extract_chunk(
+                        store, chunk, engine, 16, RunContext("r"), queue_limit=limit
+                    ),
                     plan.chunks,
                 )
             )
     finally:
         engine.close()
-    assert len(records) == len(plan.chunks) == 6
-    chunk_of = {
-        int(sample_tokens(sample, 1)[0][0]): chunk.index
-        for chunk in plan.chunks
-        for sample in range(chunk.sample_start, chunk.sample_end)
-    }
-    order = [chunk_of[sample] for sample in engine.queued]
-    spans = {c: (order.index(c), len(order) - 1 - order[::-1].index(c)) for c in set(order)}
-    for position in range(len(order)):
-        feeding = [c for c, (first, last) in spans.items() if first <= position <= last]
-        assert len(feeding) <= FEEDING_CHUNKS, (position, feeding, order)
-    assert _slots_free() == FEEDING_CHUNKS
+    assert len(records) == len(plan.chunks) == 24
+    assert sorted(store.committed_chunks()) == list(range(24))
+    # More than two chunks' batches waited at once (two was the old fixed number of feeders)...
+    assert engine.most_outstanding > 2 * 16, engine.most_outstanding
+    # ...and never more than the limit.
+    assert engine.most_outstanding <= limit, engine.most_outstanding
+    assert extract._ENGINE_QUEUE.queued == 0
 
 
-def test_a_failing_chunk_gives_its_slot_back(tmp_path: Path) -> None:
+def test_a_batch_larger_than_the_limit_waits_for_an_empty_queue(tmp_path: Path) -> None:
+    plan = make_plan([8] * 12, c=16, work=48)
+    store = ExtractionStore.open_or_create(str(tmp_path / "s"), plan, meta())
+    engine = QueueingEngine(step_tokens=8)
+    try:
+        for chunk in plan.chunks:
+            extract_chunk(store, chunk, engine, 48, RunContext("r"), queue_limit=16)
+    finally:
+        engine.close()
+    assert engine.most_outstanding == 48  # one whole batch, alone
+    assert sorted(store.committed_chunks()) == [0, 1]
+    assert extract._ENGINE_QUEUE.queued == 0
+
+
+def test_a_failing_chunk_gives_its_queued_tokens_back(tmp_path: Path) -> None:
     plan = make_plan([8] * 12, c=16, work=48)
     store = ExtractionStore.open_or_create(str(tmp_path / "s"), plan, meta())
     engine = QueueingEngine(fail_on_first_token=int(sample_tokens(2, 1)[0][0]))
     try:
         with pytest.raises(RuntimeError, match="engine refused the prompt starting with 200"):
-            extract_chunk(store, plan.chunks[0], engine, 16, RunContext("r"))
-        assert _slots_free() == FEEDING_CHUNKS
-        extract_chunk(store, plan.chunks[1], engine, 16, RunContext("r"))  # not blocked
+            extract_chunk(store, plan.chunks[0], engine, 16, RunContext("r"), queue_limit=16)
+        deadline = time.monotonic() + 5
+        while extract._ENGINE_QUEUE.queued and time.monotonic() < deadline:
+            time.sleep(0.01)  # the batches queued before the failure are still computed
+        assert extract._ENGINE_QUEUE.queued == 0
+        extract_chunk(store, plan.chunks[1], engine, 16, RunContext("r"), queue_limit=16)
     finally:
         engine.close()
     assert sorted(store.committed_chunks()) == [1]
+
+
+def test_chunks_in_flight_from_the_plan_and_the_setting() -> None:
+    auto = PipelineSettings()
+    # The H200 benchmark: 347,418 tokens in 103 chunks, batches of 65536, steps of 16384.
+    limit = engine_queue_limit(65536, 16384)
+    assert limit == 2 * 3 * 65536
+    assert chunks_in_flight(auto, limit, 347_418 / 103) == MAX_CHUNKS_IN_FLIGHT
+    # Chunks of millions of tokens: a few in flight, as before.
+    assert chunks_in_flight(auto, limit, 4e6) == CHUNKS_IN_FLIGHT
+    assert chunks_in_flight(auto, limit, 20_000) == 21  # 20 fill 393,216 tokens
+    assert chunks_in_flight(PipelineSettings(chunks_in_flight=5), limit, 100.0) == 5
+    # Default batches (4096) on an engine of 16k-token steps: four steps queued at least.
+    assert engine_queue_limit(4096, 16384) == 4 * 16384

@@ -184,7 +184,7 @@ class RingWriter:
         stages = {
             name: [round(s.seconds, 6), s.count, s.nbytes] for name, s in timings.snapshot().items()
         }
-        _send(self._ready, {"timings": stages})
+        _send(self._ready, {"timings": stages, "pid": os.getpid()})
 
     def announce_file(self, key: str, path: str) -> None:
         _send(self._ready, {"key": key, "file": path})
@@ -232,6 +232,8 @@ class RingReader:
                 continue
             message = json.loads(line)
             if "timings" in message:  # the engine process's accumulators, as they stand
+                if message.get("pid") == os.getpid():
+                    continue  # an engine in this process: its stages are already here
                 timings.replace(
                     {
                         f"engine:{name}": timings.Stage(float(s), int(c), int(b))

@@ -38,8 +38,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    from rich.markup import escape
+
+    # Escaped: messages quote values like [2, 4, 8] that rich would read as markup.
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
+
+
+def settings_errors(exc: Any) -> str:
+    """A pydantic ValidationError as one line per bad setting: where, what, the value given."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        message = str(error["msg"]).removeprefix("Value error, ")
+        lines.append(f"  {where}: {message}")
+    return "\n".join(lines)
 
 
 def _layer_ids(value: str | None) -> list[int] | None:
@@ -352,7 +365,7 @@ def preflight(
             }
         )
     except ValidationError as exc:
-        _fail(f"invalid settings:\n{exc}")
+        _fail(f"invalid settings:\n{settings_errors(exc)}")
         return
     report = run_preflight(
         model_dir, capture, engine, probe=probe, store_url=store, max_length=max_length

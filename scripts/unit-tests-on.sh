@@ -21,10 +21,15 @@ if [[ ! -f "$venv/.hsx-stamp" || "$(cat "$venv/.hsx-stamp")" != "$stamp" ]]; the
   echo "[py$version] creating $venv with $python (torch's wheel is a few GB: minutes the first time)"
   rm -rf "$venv"
   "$python" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade "pip>=24" 2>&1 | grep -v "^WARNING: Location" || true
+  quiet() {  # pip's output only when it fails, and a failure stops here
+    local log; log="$(mktemp)"
+    if ! "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; echo "[py$version] failed: $*" >&2; exit 1; fi
+    rm -f "$log"
+  }
+  quiet "$venv/bin/python" -m pip install -q --upgrade "pip>=24"
   # torch as on the CPU machines (2.13.0); PyPI's wheel for this Python is a CUDA build, which
   # runs on the CPU too.
-  "$venv/bin/pip" install -q "torch==2.13.0" -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  quiet "$venv/bin/pip" install -q "torch==2.13.0" -e ".[s3,dev]"
   "$venv/bin/python" -c "import torch, zarr, prefect, hsx, flows" \
     || { echo "[py$version] the environment does not import (torch/zarr/prefect/hsx)" >&2; exit 1; }
   echo "$stamp" > "$venv/.hsx-stamp"

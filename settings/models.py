@@ -2,25 +2,30 @@
 and bounded. Built once at the entry point (CLI, flow) and passed down; never read at import time.
 
 Environment variables use the ``HSX_`` prefix and ``__`` between sections, e.g.
-``HSX_ENGINE__DTYPE=float32`` or ``HSX_STORE__ROWS_PER_CHUNK=512``.
+``HSX_ENGINE__DTYPE=float32`` or ``HSX_LAYOUT__ROWS_PER_CHUNK=512``.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from settings.strict import StrictSection, unknown_environment, unknown_keys_message
 
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 StoreDtype = Literal["auto", "float32", "bfloat16"]
 LayerConvention = Literal["vllm", "specforge"]
 
 
-class EngineSettings(BaseModel):
+class EngineSettings(StrictSection):
     """How the vLLM engine is built. Everything here changes the engine, so engines are cached
     per process keyed by this section."""
+
+    SECTION: ClassVar[str] = "engine"
 
     dtype: EngineDtype = Field(
         "auto",
@@ -102,8 +107,10 @@ class EngineSettings(BaseModel):
     )
 
 
-class CaptureSettings(BaseModel):
+class CaptureSettings(StrictSection):
     """Which hidden states are captured and how they are stored."""
+
+    SECTION: ClassVar[str] = "capture"
 
     layer_ids: list[int] | None = Field(
         None,
@@ -133,8 +140,10 @@ class CaptureSettings(BaseModel):
         return value
 
 
-class DataSettings(BaseModel):
+class DataSettings(StrictSection):
     """The dataset and how it is tokenized."""
+
+    SECTION: ClassVar[str] = "data"
 
     max_length: int | None = Field(
         None,
@@ -149,8 +158,10 @@ class DataSettings(BaseModel):
     )
 
 
-class StoreSettings(BaseModel):
+class StoreSettings(StrictSection):
     """The Zarr store layout."""
+
+    SECTION: ClassVar[str] = "layout"
 
     rows_per_chunk: int | None = Field(
         None,
@@ -188,8 +199,10 @@ class StoreSettings(BaseModel):
     )
 
 
-class RunSettings(BaseModel):
+class RunSettings(StrictSection):
     """Retries and reporting of the extraction flow."""
+
+    SECTION: ClassVar[str] = "run"
 
     retries: int = Field(2, ge=0, le=20, description="Retries of a failed work chunk.")
     retry_delay_seconds: float = Field(
@@ -198,9 +211,11 @@ class RunSettings(BaseModel):
     preflight: bool = Field(True, description="Run the preflight checks as the flow's first tasks.")
 
 
-class PipelineSettings(BaseModel):
+class PipelineSettings(StrictSection):
     """How the host side keeps up with the engine: results queued, storage objects in flight.
     Nothing here changes the data."""
+
+    SECTION: ClassVar[str] = "pipeline"
 
     prefetch_batches: int = Field(
         2,
@@ -254,6 +269,24 @@ class HsxSettings(BaseSettings):
     layout: StoreSettings = Field(default_factory=StoreSettings)
     run: RunSettings = Field(default_factory=RunSettings)
     pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            message = unknown_keys_message("", data, list(cls.model_fields))
+            if message is not None:
+                raise ValueError(message)
+        sections = {
+            name: list(info.annotation.model_fields)
+            for name, info in cls.model_fields.items()
+            if isinstance(info.annotation, type) and issubclass(info.annotation, StrictSection)
+        }
+        top = [name for name in cls.model_fields if name not in sections]
+        message = unknown_environment(os.environ, sections, top)
+        if message is not None:
+            raise ValueError(message)
+        return data
 
     @model_validator(mode="after")
     def _samples_fit_the_engine(self) -> HsxSettings:

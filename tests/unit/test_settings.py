@@ -86,3 +86,47 @@ def test_cpu_thread_binding_splits_this_process_cpus_between_ranks() -> None:
         assert len(groups) == 2 and len(groups[0]) == len(groups[1]) == len(cpus) // 2
         assert {int(c) for g in groups for c in g} <= set(cpus)
     assert cpu_thread_binding(len(cpus) + 1) is None  # fewer CPUs than ranks: vLLM decides
+
+
+@pytest.mark.parametrize(
+    ("variable", "message"),
+    [
+        ("HSX_ENGINE__MAX_MODEL_LENN", r"'engine.max_model_lenn'.*did you mean engine.max_model_len\?"),
+        ("HSX_ENGIN__DTYPE", r"HSX_ENGIN__DTYPE: did you mean HSX_ENGINE__DTYPE\?"),
+        ("HSX_MODELL", r"HSX_MODELL: did you mean HSX_MODEL\?"),
+        ("HSX_LAYOUT__ROWS_PER_CHUNKS", r"'layout.rows_per_chunks'.*did you mean layout.rows_per_chunk\?"),
+    ],
+)
+def test_a_misspelt_variable_fails_naming_the_closest_setting(
+    monkeypatch: pytest.MonkeyPatch, variable: str, message: str
+) -> None:
+    """Settings are as strict as data: a typo is not silently ignored while the default runs."""
+    monkeypatch.setenv(variable, "2048")
+    with pytest.raises(ValidationError, match=message):
+        HsxSettings(model="m", dataset="d", store="s")
+
+
+def test_unknown_keys_in_parameters_fail_naming_the_closest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What a deployment's parameters (JSON) or a script pass: sections as dicts.
+    with pytest.raises(ValidationError, match=r"'run.retrys'.*did you mean run.retries\?"):
+        HsxSettings(model="m", dataset="d", store="s", run={"retrys": 3})
+    with pytest.raises(ValidationError, match=r"unknown setting 'stor'.*did you mean store\?"):
+        HsxSettings(model="m", dataset="d", store="s", stor="x")
+    with pytest.raises(ValidationError, match=r"'engine.zzz'.*expected one of .*batch_tokens"):
+        HsxSettings(model="m", dataset="d", store="s", engine={"zzz": 1})
+    # Variables that are not settings (the bootstrap's, the allocator's) are left alone.
+    monkeypatch.setenv("HSX_VLLM", "cpu")
+    monkeypatch.setenv("HSX_ALLOCATOR", "glibc")
+    assert HsxSettings(model="m", dataset="d", store="s").run.retries == 2
+
+
+def test_the_cli_reports_a_misspelt_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import typer
+
+    monkeypatch.setenv("HSX_RUN__RETRIESS", "5")
+    with pytest.raises(typer.Exit) as exit_info:
+        build_settings(model="m", dataset="d", store="s")
+    assert exit_info.value.exit_code == 2
+    assert "did you mean run.retries?" in capsys.readouterr().out

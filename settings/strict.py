@@ -1,0 +1,88 @@
+"""Settings as strict as data: an unknown key anywhere (a misspelt HSX_ variable, a typo in a
+deployment's parameters) fails naming the key and the closest known one, instead of being
+silently ignored while the run uses the default."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+def unknown_keys_message(section: str, given: dict[str, Any], known: list[str]) -> str | None:
+    """None when every key of ``given`` is known, else a message naming each unknown key with
+    the closest known one (and the environment variable it would come from)."""
+    unknown = [key for key in given if key not in known]
+    if not unknown:
+        return None
+    parts = []
+    for key in unknown:
+        where = f"{section}.{key}" if section else key
+        env = "HSX_" + where.replace(".", "__").upper()
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = (
+            f"did you mean {section + '.' if section else ''}{close[0]}?"
+            if close
+            else f"expected one of {', '.join(sorted(known))}"
+        )
+        parts.append(f"unknown setting {where!r} (env {env}): {hint}")
+    return "; ".join(parts)
+
+
+class StrictSection(BaseModel):
+    """A settings section that refuses unknown keys with the closest known name."""
+
+    model_config = ConfigDict(extra="forbid")
+    SECTION: ClassVar[str] = ""  # the section's key in HsxSettings, for messages
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            message = unknown_keys_message(
+                cls._section_name(), data, list(cls.model_fields) + _aliases(cls)
+            )
+            if message is not None:
+                raise ValueError(message)
+        return data
+
+    @classmethod
+    def _section_name(cls) -> str:
+        return cls.SECTION
+
+
+def _aliases(model: type[BaseModel]) -> list[str]:
+    return [info.alias for info in model.model_fields.values() if info.alias]
+
+
+# HSX_ variables that are not settings: read by scripts/bootstrap.sh and flows/allocator.py.
+NOT_SETTINGS = frozenset(
+    {"HSX_VLLM", "HSX_ALLOCATOR", "HSX_REEXECUTED", "HSX_REPO", "HSX_PREFECT_PORT", "HSX_PREFECT_HOST"}
+)
+
+
+def unknown_environment(
+    environ: Mapping[str, str], sections: Mapping[str, list[str]], top: list[str]
+) -> str | None:
+    """A message naming each ``HSX_`` variable that sets nothing (pydantic-settings ignores
+    those whose first part is no field), with the closest known variable; None when all are known.
+    ``sections``: section -> its fields; ``top``: the fields that are not sections."""
+    known = [f"HSX_{name.upper()}" for name in top] + [
+        f"HSX_{section.upper()}__{field.upper()}"
+        for section, fields in sections.items()
+        for field in fields
+    ]
+    problems = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith("HSX_") or upper in NOT_SETTINGS:
+            continue
+        head = upper.removeprefix("HSX_").split("__", 1)[0].lower()
+        if head in sections or head in top:
+            continue  # a section's own keys are checked by the section
+        close = difflib.get_close_matches(upper, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(known)}"
+        problems.append(f"unknown setting variable {name}: {hint}")
+    return "; ".join(problems) or None

@@ -21,6 +21,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from flows.run_guard import SignalStop, exit_code, guarded_run
+
 # Set before prefect or vllm are imported: they read these once.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "hsx")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -112,7 +114,6 @@ def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:
 def run_extraction(settings: Any) -> int:
     from hsx.errors import HsxError
     from hsx.pipeline import validate_inputs
-    from hsx.store import ExtractionStore
 
     try:
         # Seconds, before Prefect and the engine start: bad input never reaches the store.
@@ -120,22 +121,72 @@ def run_extraction(settings: Any) -> int:
     except HsxError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2
-    from flows.extract import ExtractionIncompleteError, extract_flow
+
+    prefect_home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
+    with guarded_run(prefect_home / "hsx-servers") as stop:
+        code = _run_flow(settings, stop)
+    if stop.signum is not None:
+        # Exit at once: chunks still in flight hold nothing committed, and waiting for the
+        # engine's shutdown is what made a Ctrl-C hang.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run_flow(settings: Any, stop: SignalStop) -> int:
+    # Imported only now: the flow imports prefect, which reads PREFECT_API_URL once.
+    from flows.extract import ExtractionIncompleteError, ExtractionInterruptedError, extract_flow
+    from hsx.errors import HsxError
 
     try:
         summary = extract_flow(settings)
     except ExtractionIncompleteError as exc:
         console.print(f"[bold red]extraction incomplete:[/] {exc}")
         return 1
+    except ExtractionInterruptedError as exc:
+        return report_stopped(settings, stop.signum, str(exc))
     except HsxError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2
-    try:
-        nbytes: int | None = ExtractionStore.open(settings.store).nbytes_stored()
-    except Exception:
-        nbytes = None
-    print_summary(summary, nbytes)
+    except BaseException as exc:
+        if stop.signum is None:
+            raise
+        # Prefect turns SIGTERM into its own exception through the flow, then hands the
+        # signal on to our handler: the stop was asked for all the same.
+        return report_stopped(settings, stop.signum, repr(exc))
+    print_summary(summary, stored_bytes(settings.store))
     return 0
+
+
+def stored_bytes(store_url: str) -> int | None:
+    from hsx.store import ExtractionStore
+
+    try:
+        return ExtractionStore.open(store_url).nbytes_stored()
+    except Exception:
+        return None
+
+
+def report_stopped(settings: Any, signum: int | None, detail: str) -> int:
+    """What a stopped run committed and how to resume it; the shell's exit code."""
+    import shlex
+    import signal
+
+    from hsx.store import ExtractionStore
+
+    try:
+        store = ExtractionStore.open(settings.store)
+        committed = f"{len(store.committed_chunks())}/{len(store.work_chunks)} work chunks"
+    except Exception as exc:
+        committed = f"unknown ({exc!r})"
+    name = signal.Signals(signum).name if signum else "a stop"
+    console.print(f"[bold yellow]stopped[/] by {name}: {detail}", soft_wrap=True, highlight=False)
+    console.print(
+        f"committed in {settings.store}: {committed} (each verified at its commit)", soft_wrap=True
+    )
+    console.print(f"resume with: {shlex.join(['hsx', *sys.argv[1:]])}", soft_wrap=True)
+    return exit_code(signum or signal.SIGTERM)
 
 
 @app.command()

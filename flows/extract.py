@@ -14,12 +14,14 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from hsx.extract import MAX_CHUNKS_IN_FLIGHT
+from hsx.interrupt import request_stop, stop_reason, stop_requested
 from hsx.pipeline import chunk_concurrency, record_run, resolve_settings
 from settings import HsxSettings
 from tasks.common import backoff
@@ -35,6 +37,11 @@ MAX_CONSECUTIVE_FAILURES = 3
 
 class ExtractionIncompleteError(RuntimeError):
     """Raised at the end of a flow run whose chunks did not all commit and verify."""
+
+
+class ExtractionInterruptedError(RuntimeError):
+    """Raised when the run was asked to stop (a signal): what committed stays, the rest is redone
+    by a re-run."""
 
 
 @flow(
@@ -58,6 +65,7 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         retry_delay_seconds=backoff(settings.run.retry_delay_seconds, settings.run.retries),
     )
     failed: list[int] = []
+    abandoned: list[int] = []
     extracted_tokens = 0
     consecutive = 0
     pending = plan["pending"]
@@ -69,40 +77,63 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
     # and commit (hsx.extract.chunks_in_flight): the engine never waits for a commit.
     concurrency = chunk_concurrency(settings, int(plan["tokens"]), int(plan["chunks"]))
     logger.info("%d work chunks in flight at once", concurrency)
-    while queue or in_flight:
-        while queue and len(in_flight) < concurrency and consecutive < MAX_CONSECUTIVE_FAILURES:
-            chunk_index = queue.popleft()
-            in_flight.append((chunk_index, chunk_task.submit(settings, chunk_index)))
-        if not in_flight:
-            break
-        chunk_index, future = in_flight.popleft()
-        future.wait()
-        state = future.state
-        done += 1
-        if state.is_failed() or state.is_crashed():
-            failed.append(chunk_index)
-            consecutive += 1
-            if consecutive >= MAX_CONSECUTIVE_FAILURES and queue:
-                logger.error(
-                    "%d chunks in a row failed; not starting the %d remaining",
-                    consecutive,
-                    len(queue),
-                )
-            continue
-        consecutive = 0
-        result = future.result()
-        extracted_tokens += int(result["tokens"])
-        elapsed = time.perf_counter() - started
-        logger.info(
-            "progress: %d/%d chunks, %d tokens, %.0f tokens/s, ETA %.0f s",
-            done,
-            len(pending),
-            extracted_tokens,
-            extracted_tokens / max(elapsed, 1e-9),
-            elapsed / done * (len(pending) - done),
-        )
+    try:
+        while queue or in_flight:
+            while (
+                queue
+                and len(in_flight) < concurrency
+                and consecutive < MAX_CONSECUTIVE_FAILURES
+                and not stop_requested()  # a stopped run starts nothing more
+            ):
+                chunk_index = queue.popleft()
+                in_flight.append((chunk_index, chunk_task.submit(settings, chunk_index)))
+            if not in_flight:
+                break
+            chunk_index, future = in_flight.popleft()
+            future.wait()
+            state = future.state
+            done += 1
+            if state.is_failed() or state.is_crashed():
+                if stop_requested():  # abandoned before its commit: not a failure of the chunk
+                    abandoned.append(chunk_index)
+                    continue
+                failed.append(chunk_index)
+                consecutive += 1
+                if consecutive >= MAX_CONSECUTIVE_FAILURES and queue:
+                    logger.error(
+                        "%d chunks in a row failed; not starting the %d remaining",
+                        consecutive,
+                        len(queue),
+                    )
+                continue
+            consecutive = 0
+            result = future.result()
+            extracted_tokens += int(result["tokens"])
+            elapsed = time.perf_counter() - started
+            logger.info(
+                "progress: %d/%d chunks, %d tokens, %.0f tokens/s, ETA %.0f s",
+                done,
+                len(pending),
+                extracted_tokens,
+                extracted_tokens / max(elapsed, 1e-9),
+                elapsed / done * (len(pending) - done),
+            )
+    except TerminationSignal:
+        # Prefect's SIGTERM bridge (a scheduler's stop, the UI's Cancel) raised here: the chunks
+        # in flight must abandon too, and the store must say the run was stopped.
+        request_stop("SIGTERM received")
+        record_interrupted(settings, run_id, done, failed, abandoned, list(queue), extracted_tokens)
+        raise
     not_started = list(queue)
     loop_seconds = time.perf_counter() - loop_started
+    if stop_requested():
+        # No verification: the user asked to stop within seconds; a re-run verifies everything.
+        record_interrupted(settings, run_id, done, failed, abandoned, not_started, extracted_tokens)
+        raise ExtractionInterruptedError(
+            f"stopped ({stop_reason()}): {done - len(failed) - len(abandoned)} chunks committed "
+            f"by this run, {len(abandoned)} abandoned before their commit, {len(not_started)} "
+            "not started; a re-run extracts exactly what is missing"
+        )
     verification = verify_task(settings)
     wall = time.perf_counter() - started
     summary = {
@@ -143,3 +174,28 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
             "re-run (or Retry in the UI) to redo only what is missing"
         )
     return summary
+
+
+def record_interrupted(
+    settings: HsxSettings,
+    run_id: str,
+    done: int,
+    failed: list[int],
+    abandoned: list[int],
+    not_started: list[int],
+    tokens: int,
+) -> None:
+    """The store's run record of a stopped run: what it committed and what a re-run redoes."""
+    record_run(
+        settings,
+        run_id,
+        {
+            "status": "interrupted",
+            "reason": stop_reason(),
+            "chunks_extracted_now": done - len(failed) - len(abandoned),
+            "chunks_abandoned": abandoned,
+            "chunks_failed": failed,
+            "chunks_not_started": not_started,
+            "tokens_extracted_now": tokens,
+        },
+    )

@@ -30,6 +30,7 @@ from hsx import timings
 from hsx.checksums import ALGORITHM, digest, new_hasher, update_digest
 from hsx.dataset import TokenizedSample
 from hsx.errors import StoreError
+from hsx.interrupt import raise_if_stopped
 from hsx.local_io import DIRECT_ALIGNMENT, aligned_empty
 from hsx.plan import WorkChunk
 from hsx.store import CommitRecord, ExtractionStore
@@ -492,11 +493,13 @@ def extract_chunk(
 
     try:
         for batch in batches(samples, batch_tokens):
+            raise_if_stopped(chunk.name)  # a stopped run queues nothing more
             prompts = [sample.input_ids for sample in batch]
             queued.append((batch, _submit(engine, prompts, queue_limit)))
             if len(queued) > PREFETCH_BATCHES:
                 consume()
         while queued:
+            raise_if_stopped(chunk.name)
             consume()
     finally:
         if pending is not None:

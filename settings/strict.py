@@ -59,7 +59,14 @@ def _aliases(model: type[BaseModel]) -> list[str]:
 
 # HSX_ variables that are not settings: read by scripts/bootstrap.sh and flows/allocator.py.
 NOT_SETTINGS = frozenset(
-    {"HSX_VLLM", "HSX_ALLOCATOR", "HSX_REEXECUTED", "HSX_REPO", "HSX_PREFECT_PORT", "HSX_PREFECT_HOST"}
+    {
+        "HSX_VLLM",
+        "HSX_ALLOCATOR",
+        "HSX_REEXECUTED",
+        "HSX_REPO",
+        "HSX_PREFECT_PORT",
+        "HSX_PREFECT_HOST",
+    }
 )
 
 

@@ -13,11 +13,14 @@ from prefect.logging import get_run_logger
 from prefect.states import State
 
 from hsx.errors import is_retryable, portable_error
+from hsx.interrupt import RunInterruptedError, stop_requested
 
 
 def retry_unless_fatal(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
     """Prefect's retry_condition_fn: fatal hsx errors (bad config, signature or data mismatch)
     end the task at once; transient ones (engine crash, I/O) go on to the retry policy."""
+    if stop_requested():  # the run is stopping: a retry would be abandoned anyway
+        return False
     exc = state.result(raise_on_failure=False)
     return not isinstance(exc, BaseException) or is_retryable(exc)
 
@@ -36,6 +39,9 @@ def logged_failures(what: str) -> Iterator[logging.Logger | logging.LoggerAdapte
     logger = get_run_logger()
     try:
         yield logger
+    except RunInterruptedError as exc:  # a stop asked for, not a fault: no traceback
+        logger.warning("%s", exc)
+        raise
     except Exception as exc:
         kind = (
             "transient, will retry if attempts remain"

@@ -91,10 +91,16 @@ def test_cpu_thread_binding_splits_this_process_cpus_between_ranks() -> None:
 @pytest.mark.parametrize(
     ("variable", "message"),
     [
-        ("HSX_ENGINE__MAX_MODEL_LENN", r"'engine.max_model_lenn'.*did you mean engine.max_model_len\?"),
+        (
+            "HSX_ENGINE__MAX_MODEL_LENN",
+            r"'engine.max_model_lenn'.*did you mean engine.max_model_len\?",
+        ),
         ("HSX_ENGIN__DTYPE", r"HSX_ENGIN__DTYPE: did you mean HSX_ENGINE__DTYPE\?"),
         ("HSX_MODELL", r"HSX_MODELL: did you mean HSX_MODEL\?"),
-        ("HSX_LAYOUT__ROWS_PER_CHUNKS", r"'layout.rows_per_chunks'.*did you mean layout.rows_per_chunk\?"),
+        (
+            "HSX_LAYOUT__ROWS_PER_CHUNKS",
+            r"'layout.rows_per_chunks'.*did you mean layout.rows_per_chunk\?",
+        ),
     ],
 )
 def test_a_misspelt_variable_fails_naming_the_closest_setting(
@@ -122,7 +128,9 @@ def test_unknown_keys_in_parameters_fail_naming_the_closest(
     assert HsxSettings(model="m", dataset="d", store="s").run.retries == 2
 
 
-def test_the_cli_reports_a_misspelt_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_reports_a_misspelt_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import typer
 
     monkeypatch.setenv("HSX_RUN__RETRIESS", "5")

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import xxhash
@@ -126,7 +126,28 @@ def _parse_line(raw: bytes, path: Path, line_number: int, index: int) -> Convers
     return Conversation(index, line_number, sample_id, tuple(messages))
 
 
-def iter_conversations(path: Path) -> Iterator[Conversation]:
+DEFAULT_MAX_LINE_BYTES = 8 * 2**20  # settings.DataSettings.max_line_bytes
+
+
+def _bounded_lines(source: BinaryIO, path: Path, max_line_bytes: int) -> Iterator[bytes]:
+    """The file's lines, each read with a limit: memory stays at ``max_line_bytes`` whatever the
+    line, and an over-long line is refused by its number before anything parses it."""
+    line_number = 0
+    while raw := source.readline(max_line_bytes + 1):
+        line_number += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):  # its newline may be byte L+1
+            raise DatasetError(
+                f"{path}:{line_number}: expected a line of at most {max_line_bytes:,} bytes "
+                f"(data.max_line_bytes), found a longer one (more than {max_line_bytes:,} bytes "
+                "read without reaching its end); split the conversation, or raise "
+                "data.max_line_bytes"
+            )
+        yield raw
+
+
+def iter_conversations(
+    path: Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[Conversation]:
     """Stream the conversations of a JSONL file, one line at a time; blank lines are skipped.
     Each carries its line's byte offset (recorded in the plan, for audits).
 
@@ -139,7 +160,7 @@ def iter_conversations(path: Path) -> Iterator[Conversation]:
     offset = index = 0
     # Binary lines, decoded one by one: a bad UTF-8 byte is then reported with its line number.
     with path.open("rb") as lines:
-        for line_number, raw in enumerate(lines, start=1):
+        for line_number, raw in enumerate(_bounded_lines(lines, path, max_line_bytes), start=1):
             if raw.strip():
                 parsed = _parse_line(raw, path, line_number, index)
                 yield dataclasses.replace(parsed, byte_offset=offset)
@@ -151,10 +172,10 @@ def iter_conversations(path: Path) -> Iterator[Conversation]:
         )
 
 
-def validate_dataset(path: Path) -> int:
+def validate_dataset(path: Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
     """Read the whole file, raising its first error; returns the number of conversations."""
     count = 0
-    for _ in iter_conversations(path):
+    for _ in iter_conversations(path, max_line_bytes):
         count += 1
     return count
 

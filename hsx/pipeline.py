@@ -73,7 +73,7 @@ def validate_inputs(settings: HsxSettings) -> int:
     the model folder, the store URL, and every line of the dataset. Returns the sample count."""
     run_spec(settings)  # model folder, config.json, layer ids in range
     check_store_url(settings.store)
-    return validate_dataset(settings.dataset)
+    return validate_dataset(settings.dataset, settings.data.max_line_bytes)
 
 
 @functools.lru_cache(maxsize=4)

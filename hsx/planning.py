@@ -144,7 +144,7 @@ def _build_plan(
         batch.clear()
 
     batch: list[Conversation] = []
-    for conversation in iter_conversations(settings.dataset):
+    for conversation in iter_conversations(settings.dataset, settings.data.max_line_bytes):
         if limit is not None and conversation.index >= limit:
             break
         batch.append(conversation)

@@ -156,6 +156,15 @@ class DataSettings(StrictSection):
     max_samples: int | None = Field(
         None, ge=1, description="Use only the first N conversations (None = all)."
     )
+    max_line_bytes: int = Field(
+        8 * 2**20,
+        ge=1024,
+        le=2**30,
+        description="Longest JSONL line accepted, in bytes: a longer one fails at once naming its "
+        "line, and reading it costs at most this much memory (a 100 MB line once took the "
+        "machine's whole memory in the tokenizer). 8 MiB holds a conversation of well over a "
+        "million tokens.",
+    )
 
 
 class StoreSettings(StrictSection):

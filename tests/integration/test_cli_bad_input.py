@@ -143,3 +143,52 @@ def test_sample_length_must_leave_room_for_the_sampled_token(
     assert out.returncode != 0
     assert "data.max_length 2048 must be below engine.max_model_len 2048" in out.stdout + out.stderr
     assert_nothing_written(store)
+
+
+def peak_rss_mib_of(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the CLI under a fresh parent whose RUSAGE_CHILDREN is the CLI's alone."""
+    wrapper = (
+        "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+        "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+        "sys.exit(r.returncode)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", wrapper, sys.executable, "-m", "flows.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=240,
+        env={**__import__("os").environ, "COLUMNS": "200"},
+    )
+    peak = [line for line in result.stdout.splitlines() if line.startswith("PEAK_RSS_KIB")]
+    assert peak, result.stdout + result.stderr
+    return result, int(peak[-1].split()[1]) / 1024
+
+
+def test_a_100_mb_line_fails_at_once_with_flat_memory(tiny_llama: Path, tmp_path: Path) -> None:
+    """One JSONL line of 100 MB (a user turn of 50M words) once grew `hsx extract` to the
+    machine's whole memory; now it is refused by its line number, reading at most
+    data.max_line_bytes of it, and peak memory is that of a run failing on a tiny bad line."""
+    huge = tmp_path / "huge.jsonl"
+    with huge.open("w") as out:
+        out.write(json.dumps(GOOD) + "\n")
+        out.write('{"messages": [{"role": "user", "content": "')
+        out.write("w " * (50 * 2**20))  # 100 MiB of words
+        out.write('"}, {"role": "assistant", "content": "ok"}]}\n')
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps(GOOD) + "\n{oops\n")
+    store = tmp_path / "store"
+    result, peak_huge = peak_rss_mib_of(
+        "extract", "--model", str(tiny_llama), "--dataset", str(huge), "--store", str(store)
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    message = " ".join(result.stdout.split())
+    assert "huge.jsonl:2: expected a line of at most 8,388,608 bytes" in message, message
+    assert "data.max_line_bytes" in message
+    assert_nothing_written(store)
+    _, peak_small = peak_rss_mib_of(
+        "extract", "--model", str(tiny_llama), "--dataset", str(small), "--store", str(store)
+    )
+    print(f"peak RSS: 100 MB line {peak_huge:.0f} MiB, tiny bad line {peak_small:.0f} MiB")
+    # Flat: at most a few copies of the 8 MiB read window above the baseline, not the 100 MiB.
+    assert peak_huge < peak_small + 48, f"peak {peak_huge:.0f} MiB vs {peak_small:.0f} MiB"

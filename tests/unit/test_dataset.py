@@ -436,3 +436,19 @@ def test_batched_tokenization_equals_one_by_one_and_the_walked_mask(tokenizer: A
         bent[1] = (0, 0)
         walked = _walked_mask(ids, bent, special, spans, text)
         assert np.array_equal(_loss_mask(ids, bent, np.isin(ids, special_np), spans, text), walked)
+
+
+def test_line_byte_limit_is_exact_and_names_the_line(tmp_path: Path) -> None:
+    limit = 1024
+    line = json.dumps(
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}
+    )
+    pad = limit - len(line)
+    fits = line.replace('"x"', '"' + "x" * (pad + 1) + '"')
+    assert len(fits) == limit
+    path = tmp_path / "data.jsonl"
+    path.write_text(fits + "\n")  # its newline is byte limit + 1: still accepted
+    assert len(list(iter_conversations(path, max_line_bytes=limit))) == 1
+    path.write_text(fits + "\n" + fits.replace('"x', '"xx') + "\n")
+    with pytest.raises(DatasetError, match=r"data.jsonl:2: expected a line of at most 1,024 bytes"):
+        list(iter_conversations(path, max_line_bytes=limit))

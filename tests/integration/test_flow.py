@@ -186,3 +186,42 @@ def test_fatal_bad_dataset_line_is_not_retried(
     with pytest.raises(DatasetError, match=r"bad.jsonl:2: .*assistant"):
         extract_flow(make_settings(tiny_llama, dataset, url))
     assert not Path(url).exists()
+
+
+def test_a_fatal_error_in_a_chunk_task_runs_once(
+    prefect_harness: None, tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """The real chunk task with retries=3 and a real fatal error inside it (a work chunk the
+    store's plan does not have): retry_unless_fatal refuses every retry, so it runs once, and
+    its log says so with the traceback. (Transient faults retrying: the test above.)"""
+    from prefect import flow
+
+    from hsx.pipeline import plan_and_create_store
+    from tasks.extract import extract_chunk_task
+
+    settings = make_settings(tiny_llama, sample_dataset, str(tmp_path / "s.zarr"))
+    plan = plan_and_create_store(settings)
+    missing_chunk = plan.chunks + 5
+
+    @flow(name="hsx-fatal-chunk")
+    def one_chunk() -> Any:
+        task = extract_chunk_task.with_options(retries=3, retry_delay_seconds=0)
+        return task(settings, missing_chunk, return_state=True)
+
+    from hsx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"work chunk {missing_chunk}: expected 0\.\."):
+        one_chunk()  # a flow that returns a failed state raises its error
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+    (chunk_run,) = [tr for tr in task_runs(run.id) if tr.name.startswith("extract-chunk-")]
+    assert chunk_run.run_count == 1, f"expected 1 run of a fatal error, found {chunk_run.run_count}"
+    messages = flow_logs(run.id)
+    failures = [
+        m for m in messages if f"work chunk {missing_chunk} failed (fatal, not retried)" in m
+    ]
+    assert len(failures) == 1 and "Traceback (most recent call last)" in failures[0], messages
+    assert f"expected 0..{plan.chunks - 1}" in failures[0]

@@ -23,6 +23,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from hsx.extract import MAX_CHUNKS_IN_FLIGHT
 from hsx.interrupt import request_stop, stop_reason, stop_requested
 from hsx.pipeline import chunk_concurrency, record_run, resolve_settings
+from hsx.store import ExtractionStore
 from settings import HsxSettings
 from tasks.common import backoff
 from tasks.extract import extract_chunk_task
@@ -33,6 +34,9 @@ from tasks.verify import verify_task
 # Stop early when this many chunks in a row failed after their retries: the cause is shared
 # (engine, storage), and each further attempt could cost a model load.
 MAX_CONSECUTIVE_FAILURES = 3
+# How long a flow stopped by Prefect's SIGTERM bridge waits for its chunks in flight (the CLI's
+# watchdog exits at 10 s in any case).
+STOP_WAIT_S = 5.0
 
 
 class ExtractionIncompleteError(RuntimeError):
@@ -122,13 +126,18 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         # Prefect's SIGTERM bridge (a scheduler's stop, the UI's Cancel) raised here: the chunks
         # in flight must abandon too, and the store must say the run was stopped.
         request_stop("SIGTERM received")
-        record_interrupted(settings, run_id, done, failed, abandoned, list(queue), extracted_tokens)
+        # Chunks in flight reach a batch boundary (and abandon) or their commit within seconds;
+        # waiting for them makes the run record count what was committed.
+        deadline = time.monotonic() + STOP_WAIT_S
+        for _, future in in_flight:
+            future.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        record_interrupted(settings, run_id, failed, abandoned, list(queue), extracted_tokens)
         raise
     not_started = list(queue)
     loop_seconds = time.perf_counter() - loop_started
     if stop_requested():
         # No verification: the user asked to stop within seconds; a re-run verifies everything.
-        record_interrupted(settings, run_id, done, failed, abandoned, not_started, extracted_tokens)
+        record_interrupted(settings, run_id, failed, abandoned, not_started, extracted_tokens)
         raise ExtractionInterruptedError(
             f"stopped ({stop_reason()}): {done - len(failed) - len(abandoned)} chunks committed "
             f"by this run, {len(abandoned)} abandoned before their commit, {len(not_started)} "
@@ -179,20 +188,26 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
 def record_interrupted(
     settings: HsxSettings,
     run_id: str,
-    done: int,
     failed: list[int],
     abandoned: list[int],
     not_started: list[int],
     tokens: int,
 ) -> None:
-    """The store's run record of a stopped run: what it committed and what a re-run redoes."""
+    """The store's run record of a stopped run: what it committed and what a re-run redoes.
+    Commits are counted from the store: a SIGTERM interrupts the flow before it has collected
+    the chunks in flight, which may have committed all the same."""
+    committed = [
+        index
+        for index, record in ExtractionStore.open(settings.store).committed_chunks().items()
+        if record.run_id == run_id
+    ]
     record_run(
         settings,
         run_id,
         {
             "status": "interrupted",
             "reason": stop_reason(),
-            "chunks_extracted_now": done - len(failed) - len(abandoned),
+            "chunks_extracted_now": len(committed),
             "chunks_abandoned": abandoned,
             "chunks_failed": failed,
             "chunks_not_started": not_started,

@@ -1,4 +1,4 @@
-"""The extraction flow: [preflight] -> plan -> one task per pending work chunk -> verify.
+"""The extraction flow: resume check -> [preflight] -> plan -> one task per pending work chunk -> verify.
 
 A chunk that fails is retried alone (transient errors) or not at all (fatal ones), with its full
 traceback in the logs; the other chunks go on. The flow raises when any chunk failed or
@@ -27,7 +27,7 @@ from hsx.store import ExtractionStore
 from settings import HsxSettings
 from tasks.common import backoff
 from tasks.extract import extract_chunk_task
-from tasks.plan import plan_task
+from tasks.plan import plan_task, resume_check_task
 from tasks.preflight import preflight_tasks
 from tasks.verify import verify_task
 
@@ -60,6 +60,7 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
     started = time.perf_counter()
     # Model-derived defaults (max_model_len, max_length) filled in once, for every task.
     settings = resolve_settings(settings)
+    resume_check_task(settings)  # seconds, before the probe builds a model
     if settings.run.preflight:
         preflight_tasks(settings)
     plan = plan_task(settings)

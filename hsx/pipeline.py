@@ -25,6 +25,7 @@ from hsx.extract import (
     engine_queue_limit,
     extract_chunk,
 )
+from hsx.frozen import check_frozen, frozen_inputs
 from hsx.limits import resolve_lengths
 from hsx.plan import Plan, read_config
 from hsx.planning import (
@@ -35,7 +36,7 @@ from hsx.planning import (
     resolve_layer_ids,
     store_metadata,
 )
-from hsx.store import CommitRecord, ExtractionStore, check_store_url
+from hsx.store import CommitRecord, ExtractionStore, check_store_url, existing_store_meta
 from hsx.verify import VerifyReport, verify_store
 from settings import HsxSettings
 
@@ -70,10 +71,50 @@ def resolve_settings(settings: HsxSettings) -> HsxSettings:
 
 def validate_inputs(settings: HsxSettings) -> int:
     """Everything about the inputs that can be checked in seconds, before any model load:
-    the model folder, the store URL, and every line of the dataset. Returns the sample count."""
+    the model folder, the store URL, every line of the dataset, and on resume the inputs the
+    store froze. Returns the sample count."""
     run_spec(settings)  # model folder, config.json, layer ids in range
     check_store_url(settings.store)
-    return validate_dataset(settings.dataset, settings.data.max_line_bytes)
+    samples = validate_dataset(settings.dataset, settings.data.max_line_bytes)
+    check_resume(settings)
+    return samples
+
+
+def check_resume(settings: HsxSettings) -> bool:
+    """On an existing store, refuse in seconds a run that would write other data (a changed
+    model, weights, revision, layer ids, lengths, dataset, tokenizer, chat template or dtype)
+    or cut other work chunks (an explicit layout setting), naming each change with both
+    values. Returns whether the store exists (a resume)."""
+    meta = existing_store_meta(settings.store)
+    if meta is None:
+        return False
+    spec = run_spec(settings)
+    current = frozen_inputs(
+        spec.settings,
+        spec.config,
+        _tokenizer(str(settings.model)),
+        spec.layer_ids,
+        spec.engine_dtype,
+        spec.stored_dtype,
+    )
+    layout = settings.layout
+    planned = meta.get("plan_inputs", {})
+    layout_changes = [
+        f"layout.{name}: stored {stored}, this run {wanted}"
+        for name, wanted, stored in (
+            ("rows_per_chunk", layout.rows_per_chunk, meta.get("rows_per_chunk")),
+            ("work_chunk_tokens", layout.work_chunk_tokens, planned.get("work_chunk_tokens")),
+        )
+        if wanted is not None and stored is not None and wanted != stored
+    ]
+    if layout_changes:
+        raise StoreError(
+            f"store {settings.store} was cut into other work chunks; a resume keeps the store's "
+            "layout. Changed: " + "; ".join(layout_changes) + ". Leave these settings unset "
+            "(the store's layout is used) or use a new store URL."
+        )
+    check_frozen(settings.store, meta, current)
+    return True
 
 
 @functools.lru_cache(maxsize=4)
@@ -99,12 +140,26 @@ def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
     settings = spec.settings
     check_store_url(settings.store)
     tokenizer = _tokenizer(str(settings.model))
-    plan = build_plan(settings, tokenizer, spec.config, spec.layer_ids, spec.stored_dtype)
+    frozen = frozen_inputs(
+        settings, spec.config, tokenizer, spec.layer_ids, spec.engine_dtype, spec.stored_dtype
+    )
+    plan = build_plan(
+        settings,
+        tokenizer,
+        spec.config,
+        spec.layer_ids,
+        spec.stored_dtype,
+        dataset_fingerprint=frozen["dataset_fingerprint"],
+    )
     meta = store_metadata(
         settings, spec.config, spec.layer_ids, spec.engine_dtype, spec.stored_dtype
     )
+    meta["frozen_inputs"] = frozen
     try:
         check_free_space(settings.store, plan, meta)
+        existing = existing_store_meta(settings.store)
+        if existing is not None:  # the flow checked before its probe; a script may not have
+            check_frozen(settings.store, existing, frozen)
         store = ExtractionStore.open_or_create(settings.store, plan, meta)
     finally:
         plan.close()  # the token spool is in the store now (or the run failed): delete it

@@ -99,14 +99,17 @@ def build_plan(
     config: dict[str, Any],
     layer_ids: tuple[int, ...],
     stored_dtype: str,
+    dataset_fingerprint: str | None = None,
 ) -> Plan:
     """Tokenize every conversation once, spooling the tokens to disk, and cut work chunks.
+    ``dataset_fingerprint``: the dataset's, where the caller has it already (large files).
 
     The returned plan owns ``plan.tokens``: close it (``plan.close()``) when the store exists."""
     settings = resolve_lengths(settings, config)
     spool = TokenSpool()
+    fingerprint = dataset_fingerprint or fingerprint_file(settings.dataset)
     try:
-        return _build_plan(settings, tokenizer, config, layer_ids, stored_dtype, spool)
+        return _build_plan(settings, tokenizer, config, layer_ids, stored_dtype, spool, fingerprint)
     except BaseException:
         spool.close()
         raise
@@ -119,6 +122,7 @@ def _build_plan(
     layer_ids: tuple[int, ...],
     stored_dtype: str,
     spool: TokenSpool,
+    dataset_fingerprint: str,
 ) -> Plan:
     max_length = settings.data.max_length
     max_model_len = settings.engine.max_model_len
@@ -180,7 +184,7 @@ def _build_plan(
         chunk_tokens,
     )
     inputs = {
-        "dataset_fingerprint": fingerprint_file(settings.dataset),
+        "dataset_fingerprint": dataset_fingerprint,
         "tokenizer_fingerprint": fingerprint_tokenizer(tokenizer),
         "model_config_hash": config_hash(config),
         "max_length": settings.data.max_length,

@@ -81,6 +81,17 @@ def check_store_url(url: str) -> None:
     _fs_and_root(url)
 
 
+def existing_store_meta(url: str) -> dict[str, Any] | None:
+    """The hsx attributes of a complete store at ``url``, or None where there is none yet (an
+    interrupted creation counts as none: planning re-creates it)."""
+    fs, root = _fs_and_root(url)
+    if not fs.exists(f"{root}/zarr.json"):
+        return None
+    group = zarr.open_group(url, mode="r")  # type: ignore[arg-type]
+    meta = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
+    return meta if meta.get("layout_complete") else None
+
+
 def _write_atomic(
     fs: fsspec.AbstractFileSystem,
     path: str,

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from hsx.pipeline import plan_and_create_store
+from hsx.pipeline import check_resume, plan_and_create_store
 from settings import HsxSettings
 from tasks.common import logged_failures
 
@@ -26,3 +26,14 @@ def plan_task(settings: HsxSettings) -> dict[str, Any]:
             summary.store_url,
         )
         return asdict(summary)
+
+
+@task(name="resume-check", cache_policy=NO_CACHE, retries=0)
+def resume_check_task(settings: HsxSettings) -> bool:
+    """First of all, in seconds: a run on an existing store must not change what it froze
+    (model, weights, layer ids, lengths, dataset, tokenizer, template, dtype)."""
+    with logged_failures("resume check") as logger:
+        resuming = check_resume(settings)
+        if resuming:
+            logger.info("store %s exists: every frozen input matches; resuming", settings.store)
+        return resuming

@@ -85,6 +85,19 @@ def test_flow_end_to_end_then_nothing_twice(
     assert any("skipped: the real engine is loaded" in m for m in flow_logs(latest.id))
     assert len(list(store.run_records())) == 2
 
+    # A third run with other layer ids is refused by the flow's first task, before the probe
+    # could build a model or planning re-tokenize the dataset.
+    changed = settings.model_copy(
+        update={"capture": settings.capture.model_copy(update={"layer_ids": [1, 3]})}
+    )
+    refused = extract_flow(changed, return_state=True)
+    assert refused.is_failed()
+    with pytest.raises(Exception, match=r"Changed: layer_ids .*this run \[1, 3\]"):
+        refused.result()
+    names = [run.name for run in task_runs(refused.state_details.flow_run_id)]
+    assert len(names) == 1 and names[0].startswith("resume-check"), names
+    assert len(list(store.run_records())) == 2
+
     # hsx verify: exit 0 on this store; 1 once a stored byte flips.
     verify = [sys.executable, "-m", "flows.cli", "verify", url]
     ok = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)

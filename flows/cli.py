@@ -338,18 +338,24 @@ def info(
     console.print(
         f"{meta['num_samples']} samples, {meta['total_tokens']} tokens, {len(commits)}/{len(meta['work_chunks'])} chunks committed; code {meta['code_version']}"
     )
-    table = Table("chunk", "samples", "tokens", "run", "attempt", "seconds", "finished")
+    table = Table("chunk", "samples", "tokens", "skipped", "run", "attempt", "seconds", "finished")
     for record in commits.values():
         table.add_row(
             str(record.chunk_index),
             f"{record.sample_start}..{record.sample_end - 1}",
             str(record.tokens),
+            str(len(record.skipped_samples)),
             record.run_id[:12],
             str(record.attempt),
             f"{record.seconds:.2f}",
             record.finished_at,
         )
     console.print(table)
+    skipped = [entry for record in commits.values() for entry in record.skipped_samples]
+    for entry in skipped[:20]:
+        console.print(f"[yellow]sample {entry['sample']} skipped[/]: {entry['reason']}")
+    if len(skipped) > 20:
+        console.print(f"... {len(skipped) - 20} more skipped samples (hsx info --json)")
     for run in runs:
         console.print(f"run {run.get('run_id')}: {run.get('status')} ({run.get('code_version')})")
 

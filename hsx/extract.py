@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from hsx import timings
+from hsx.capture_checks import BadStatesPolicy, CapturedDataError, SampleScan
 from hsx.checksums import ALGORITHM, digest, new_hasher, update_digest
 from hsx.dataset import TokenizedSample
 from hsx.errors import StoreError
@@ -282,9 +283,16 @@ class ChunkWriter:
     traffic measured 6% of store write speed. Full buffers are written by the I/O pool while the
     next fills."""
 
-    def __init__(self, store: ExtractionStore, chunk: WorkChunk) -> None:
+    def __init__(
+        self, store: ExtractionStore, chunk: WorkChunk, bad_states: BadStatesPolicy = "fail"
+    ) -> None:
         self.store = store
         self.chunk = chunk
+        self.bad_states = bad_states
+        self.layer_ids = tuple(int(i) for i in store.meta.get("layer_ids", ()))
+        self._next_sample = chunk.sample_start
+        # Samples whose states failed a check (bad_states="skip"): recorded in the commit.
+        self.skipped: list[dict[str, Any]] = []
         self.rows = store.rows_per_chunk
         self.logical_dtype = store.logical_dtype
         # Digests, one per Zarr chunk, in row order.
@@ -304,29 +312,76 @@ class ChunkWriter:
         self.chunks_in_place = 0  # Zarr chunks written straight from engine results
         self._in_flight: deque[Future[None]] = deque()
 
-    def append(self, samples: Sequence[TokenizedSample], states: Sequence[torch.Tensor]) -> None:
+    def append(
+        self,
+        samples: Sequence[TokenizedSample],
+        states: Sequence[torch.Tensor | CapturedDataError],
+    ) -> None:
+        """Write each sample's rows ``[tokens, K, H]``; a CapturedDataError in place of a
+        sample's states (the engine refused them) writes zero rows for it and skips it."""
         for sample, rows in zip(samples, states, strict=True):
-            parts = {"hidden_states": to_stored(rows, self.logical_dtype)}  # [tokens, K, H]
-            count, offset = sample.num_tokens, 0
-            while offset < count:
-                if self._filled == 0 and count - offset >= self.rows:
-                    whole = {
-                        name: part[offset : offset + self.rows] for name, part in parts.items()
-                    }
-                    if all(self._writable_in_place(rows) for rows in whole.values()):
-                        self._submit_in_place(whole)
-                        offset += self.rows
-                        continue
-                take = min(count - offset, self.rows - self._filled, self._block_rows)
-                for name, part in parts.items():
-                    block = self._staging[name][self._filled : self._filled + take]
-                    block[...] = part[offset : offset + take]
-                    update_digest(self._hashers[name], block)  # still in cache
-                self._filled += take
-                offset += take
-                if self._filled == self.rows:
-                    self._flush()
-            self._written_tokens += count
+            index = self._next_sample
+            self._next_sample += 1
+            problem: str | None = None
+            if isinstance(rows, CapturedDataError):
+                problem = str(rows)
+                part = self._zero_rows(sample.num_tokens)
+            else:
+                part = to_stored(rows, self.logical_dtype)  # [tokens, K, H]
+                if part.shape[0] != sample.num_tokens:
+                    problem = (
+                        f"captured {part.shape[0]} rows, expected {sample.num_tokens} as planned"
+                    )
+                    part = self._zero_rows(sample.num_tokens)
+            if problem is not None:
+                self._bad_sample(index, problem)
+            scan = (
+                SampleScan(self.layer_ids, sample.num_tokens)
+                if problem is None and self.bad_states != "off"
+                else None
+            )
+            self._append_rows(part, scan)
+            if scan is not None and (found := scan.problem()) is not None:
+                self._bad_sample(index, found)
+            self._written_tokens += sample.num_tokens
+
+    def _zero_rows(self, tokens: int) -> np.ndarray:
+        array = self.store.array("hidden_states")
+        return np.zeros((tokens, *array.shape[1:]), dtype=array.dtype)
+
+    def _bad_sample(self, index: int, problem: str) -> None:
+        """Fail the chunk naming the sample, or record it as skipped (bad_states="skip")."""
+        if self.bad_states == "skip":
+            logger.warning("%s: sample %d skipped: %s", self.chunk.name, index, problem)
+            self.skipped.append({"sample": index, "reason": problem})
+            return
+        raise CapturedDataError(
+            f"{self.chunk.name}, sample {index}: {problem}; "
+            "set capture.on_bad_states=skip to record such samples as skipped instead",
+            sample=index,
+        )
+
+    def _append_rows(self, part: np.ndarray, scan: SampleScan | None) -> None:
+        count, offset = part.shape[0], 0
+        while offset < count:
+            if self._filled == 0 and count - offset >= self.rows:
+                whole = part[offset : offset + self.rows]
+                if self._writable_in_place(whole):
+                    if scan is not None:
+                        scan.add(whole, offset)
+                    self._submit_in_place({"hidden_states": whole})
+                    offset += self.rows
+                    continue
+            take = min(count - offset, self.rows - self._filled, self._block_rows)
+            block = self._staging["hidden_states"][self._filled : self._filled + take]
+            block[...] = part[offset : offset + take]
+            if scan is not None:
+                scan.add(block, offset)  # still in cache
+            update_digest(self._hashers["hidden_states"], block)
+            self._filled += take
+            offset += take
+            if self._filled == self.rows:
+                self._flush()
 
     def _writable_in_place(self, rows: np.ndarray) -> bool:
         """Whether a whole Zarr chunk of a sample's rows can be written straight from the
@@ -418,9 +473,12 @@ class ChunkWriter:
 
 
 def _timed_append(
-    writer: ChunkWriter, batch: Sequence[TokenizedSample], states: Sequence[torch.Tensor]
+    writer: ChunkWriter,
+    batch: Sequence[TokenizedSample],
+    states: Sequence[torch.Tensor | CapturedDataError],
 ) -> None:
-    with timings.timed("append", sum(int(s.nbytes) for s in states)):
+    nbytes = sum(int(s.nbytes) for s in states if isinstance(s, torch.Tensor))
+    with timings.timed("append", nbytes):
         writer.append(batch, states)
 
 
@@ -459,6 +517,17 @@ def batches(
         yield batch
 
 
+def _states(
+    future: Future[torch.Tensor], bad_states: BadStatesPolicy
+) -> torch.Tensor | CapturedDataError:
+    """A request's states; the engine's refusal of them is kept for the writer to skip the
+    sample when asked to (any other failure fails the chunk)."""
+    error = future.exception()
+    if isinstance(error, CapturedDataError) and bad_states == "skip":
+        return error
+    return future.result()
+
+
 def extract_chunk(
     store: ExtractionStore,
     chunk: WorkChunk,
@@ -467,14 +536,16 @@ def extract_chunk(
     context: RunContext,
     progress: Callable[[int], None] | None = None,
     queue_limit: int | None = None,
+    bad_states: BadStatesPolicy = "fail",
 ) -> CommitRecord:
     """Extract and write ``chunk``, then write its commit record (last). Returns the record.
-    ``queue_limit``: tokens the process keeps queued at the engine (engine_queue_limit)."""
+    ``queue_limit``: tokens the process keeps queued at the engine (engine_queue_limit).
+    ``bad_states``: what a sample whose states fail a check does (hsx.capture_checks)."""
     queue_limit = queue_limit or engine_queue_limit(batch_tokens, None)
     started_at = datetime.now(UTC)
     started = time.perf_counter()
     samples, read_digests = chunk_samples(store, chunk)
-    writer = ChunkWriter(store, chunk)
+    writer = ChunkWriter(store, chunk, bad_states)
     pending: Future[None] | None = None
     queued: deque[tuple[list[TokenizedSample], list[Future[torch.Tensor]]]] = deque()
 
@@ -484,7 +555,7 @@ def extract_chunk(
         # One wake-up when the whole batch is done, not one per request: each wake-up of this
         # thread takes the GIL from the engine's driver thread.
         wait(futures)
-        states = [future.result() for future in futures]
+        states = [_states(future, bad_states) for future in futures]
         if pending is not None:
             pending.result()  # keeps rows in order and at most one batch waiting
         pending = _APPEND_POOL.submit(_timed_append, writer, batch, states)
@@ -524,6 +595,7 @@ def extract_chunk(
         finished_at=datetime.now(UTC).isoformat(),
         seconds=round(time.perf_counter() - started, 4),
         extra=dict(context.extra or {}),
+        skipped_samples=list(writer.skipped),
     )
     with timings.timed("commit"):
         store.write_commit(record)  # last: until now the chunk does not exist for readers

@@ -253,7 +253,13 @@ def extract_work_chunk(
             settings.engine.batch_tokens, settings.engine.max_num_batched_tokens
         )
         return extract_chunk(
-            store, chunk, engine, settings.engine.batch_tokens, context, queue_limit=limit
+            store,
+            chunk,
+            engine,
+            settings.engine.batch_tokens,
+            context,
+            queue_limit=limit,
+            bad_states=settings.capture.on_bad_states,
         )
     except EngineError:
         # A dead engine is rebuilt by the retry; a live one is kept for the next chunk.

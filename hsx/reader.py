@@ -1,7 +1,9 @@
 """Reading a store from a training loop: sample i as tensors, committed chunks only.
 
 A missing Zarr chunk reads back as zeros without error, so the reader trusts commit records: a
-sample whose work chunk has no commit is refused, never returned as zeros.
+sample whose work chunk has no commit is refused, never returned as zeros. A sample whose states
+failed a check and was skipped (capture.on_bad_states=skip) is left out, its reason kept in
+``skipped_samples``.
 """
 
 from __future__ import annotations
@@ -49,10 +51,19 @@ class HiddenStatesReader:
         self._starts = np.asarray(self.store.array("sample_starts")[:], dtype=np.int64)
         self._lengths = np.asarray(self.store.array("sample_lengths")[:], dtype=np.int64)
         commits = self.store.committed_chunks()
-        ranges = [np.arange(c.sample_start, c.sample_end) for c in commits.values()]
-        self._available = np.sort(np.concatenate(ranges)) if ranges else np.zeros(0, dtype=np.int64)
         self._committed = np.zeros(len(self._lengths), dtype=bool)
-        self._committed[self._available] = True
+        for commit in commits.values():
+            self._committed[commit.sample_start : commit.sample_end] = True
+        # sample index -> why its states were kept out
+        self.skipped_samples: dict[int, str] = {
+            int(entry["sample"]): str(entry["reason"])
+            for commit in commits.values()
+            for entry in commit.skipped_samples
+        }
+        usable = self._committed.copy()
+        usable[list(self.skipped_samples)] = False
+        self._usable = usable
+        self._available = np.flatnonzero(usable).astype(np.int64)
 
     @property
     def num_samples(self) -> int:
@@ -61,7 +72,8 @@ class HiddenStatesReader:
 
     @property
     def available_samples(self) -> np.ndarray:
-        """Indices of the samples whose work chunk is committed, ascending."""
+        """Indices of the samples whose work chunk is committed (and that were not skipped),
+        ascending."""
         return self._available
 
     def sample(self, index: int) -> Sample:
@@ -70,6 +82,11 @@ class HiddenStatesReader:
         if not self._committed[index]:
             raise StoreError(
                 f"sample {index} of {self.store.url}: its work chunk is not committed (resume the extraction)"
+            )
+        if not self._usable[index]:
+            raise StoreError(
+                f"sample {index} of {self.store.url}: skipped at extraction, its states failed "
+                f"a check: {self.skipped_samples[index]}"
             )
         start, length = int(self._starts[index]), int(self._lengths[index])
         end = start + length

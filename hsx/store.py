@@ -62,6 +62,9 @@ class CommitRecord:
     finished_at: str
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # Samples whose states failed a check and were kept out (capture.on_bad_states=skip):
+    # [{"sample": index, "reason": "..."}]; readers leave them out.
+    skipped_samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _fs_and_root(url: str) -> tuple[fsspec.AbstractFileSystem, str]:

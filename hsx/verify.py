@@ -31,6 +31,8 @@ class VerifyReport:
     missing: list[int] = field(default_factory=list)
     problems: list[ChunkProblem] = field(default_factory=list)
     bytes_read: int = 0
+    # Samples kept out at extraction (capture.on_bad_states=skip), sample index -> reason.
+    skipped_samples: dict[int, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -41,9 +43,14 @@ class VerifyReport:
 
     def summary(self) -> str:
         state = "OK" if self.ok else "FAILED"
+        skipped = (
+            f", {len(self.skipped_samples)} samples skipped (states failed a check)"
+            if self.skipped_samples
+            else ""
+        )
         return (
             f"{state}: {self.chunks_verified}/{self.chunks_planned} chunks verified, "
-            f"{len(self.missing)} missing, {len(self.problems)} with mismatches"
+            f"{len(self.missing)} missing, {len(self.problems)} with mismatches{skipped}"
         )
 
 
@@ -73,6 +80,8 @@ _reused = _ReusedBuffers()
 class _ChunkResult:
     problems: list[ChunkProblem] = field(default_factory=list)
     bytes_read: int = 0
+    # Samples kept out at extraction (capture.on_bad_states=skip), sample index -> reason.
+    skipped_samples: dict[int, str] = field(default_factory=dict)
 
 
 def _verify_chunk(
@@ -147,6 +156,11 @@ def verify_store(
         else:
             committed.append((chunk, record))
     report.chunks_committed = len(committed)
+    report.skipped_samples = {
+        int(entry["sample"]): str(entry["reason"])
+        for _, record in committed
+        for entry in record.skipped_samples
+    }
     with ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="hsx-verify") as pool:
         futures = [pool.submit(_verify_chunk, store, c, r, step) for c, r in committed]
         for future in futures:  # in chunk order: the report lists problems in order

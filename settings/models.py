@@ -128,6 +128,14 @@ class CaptureSettings(StrictSection):
         description="Stored dtype of hidden states: 'auto' = the engine's dtype. bfloat16 is "
         "stored as uint16 with a logical_dtype attribute (zarr has no bfloat16).",
     )
+    on_bad_states: Literal["fail", "skip", "off"] = Field(
+        "fail",
+        description="What a sample whose captured states fail a check does (non-finite values, "
+        "an all-zero state vector or layer, a row count or token ids other than planned): "
+        "'fail' fails its chunk naming the sample and the reason (retried, then failed for "
+        "good); 'skip' commits the chunk and records the sample as skipped with its reason "
+        "(readers leave it out); 'off' checks nothing.",
+    )
 
     @field_validator("layer_ids")
     @classmethod

@@ -108,4 +108,21 @@ def connector_contract_problems(
         hidden_state_cache_order(shape_fn)
     except ValueError as exc:
         problems.append(f"{connector.__name__}: {exc}")
+    problems += request_output_problems()
     return problems
+
+
+def request_output_problems() -> list[str]:
+    """The engine's finished outputs must carry the prompt's token ids: hsx checks them against
+    the planned ids before it keeps a request's states (hsx.capture_checks)."""
+    import inspect
+
+    from vllm.outputs import RequestOutput
+
+    fields = inspect.signature(RequestOutput.__init__).parameters
+    if "prompt_token_ids" not in fields:
+        return [
+            "vllm.outputs.RequestOutput: expected a prompt_token_ids field (the token ids the "
+            f"engine ran, checked against the plan), found fields {sorted(fields)[:12]}"
+        ]
+    return []

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hsx import timings
+from hsx.capture_checks import CapturedDataError, check_token_ids
 from hsx.engine import connector as hsx_connector
 from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
@@ -102,7 +103,8 @@ class VllmHiddenStateEngine:
         # instead of trading the GIL with the submitting thread for every prompt.
         self._inbox: queue.Queue[list[_Pending] | None] = queue.Queue()
         # key -> (prompt tokens, future, the engine's request id)
-        self._waiting: dict[str, tuple[int, Future[torch.Tensor], str]] = {}
+        # key -> (planned token ids, future, engine request id)
+        self._waiting: dict[str, tuple[list[int], Future[torch.Tensor], str]] = {}
         self._adding: list[_Pending] = []  # the batch being added (failed with the waiters)
         self._failure: BaseException | None = None
         self._closed = False
@@ -222,8 +224,12 @@ class VllmHiddenStateEngine:
                 timings.add("engine_step", time.perf_counter() - started)
                 for output in outputs:
                     if output.finished and output.request_id in self._waiting:
-                        tokens, future, engine_id = self._waiting.pop(output.request_id)
-                        self._rendezvous.expect(engine_id, tokens, future)
+                        ids, future, engine_id = self._waiting.pop(output.request_id)
+                        mismatch = check_token_ids(output.request_id, ids, output.prompt_token_ids)
+                        if mismatch is not None:
+                            future.set_exception(CapturedDataError(mismatch))
+                            future = Future()  # the rows still arrive: received and dropped
+                        self._rendezvous.expect(engine_id, len(ids), future)
         except BaseException as exc:  # the engine died: fail every waiter, keep the cause
             self._failure = exc
             logger.error("vLLM engine driver failed: %r", exc, exc_info=True)
@@ -254,7 +260,7 @@ class VllmHiddenStateEngine:
                     "LLMEngine.add_request: expected the engine's request id (str), "
                     f"found {engine_id!r}"
                 )
-            self._waiting[item.key] = (len(item.token_ids), item.future, engine_id)
+            self._waiting[item.key] = (item.token_ids, item.future, engine_id)
         self._adding = []
 
     def _fail_waiters(self, error: EngineError) -> None:

@@ -75,7 +75,8 @@ class QueueingEngine:
                     budget -= len(done[-1][0])
                     self.outstanding -= len(done[-1][0])
             for prompt, future in done:
-                rows = torch.as_tensor(prompt, dtype=torch.float32)[:, None, None]
+                # +1: a token id 0 would give an all-zero state vector, which extraction refuses
+                rows = torch.as_tensor(prompt, dtype=torch.float32)[:, None, None] + 1.0
                 future.set_result(rows.expand(len(prompt), K, H).clone())
             time.sleep(0.003)
 

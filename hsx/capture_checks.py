@@ -1,0 +1,137 @@
+"""Captured states are checked before their chunk commits: non-finite values, all-zero state
+vectors or layers, a row count other than planned, token ids other than planned.
+
+The anchors' worst bugs passed silently: all-zero states on hybrid models (vLLM PR #46301),
+states leaked between requests, NaNs that let training "keep going" (speculators#615). A real
+hidden-state vector is never exactly zero, and never holds a NaN or an infinity.
+
+The scan reads the stored bits (bf16 as uint16, fp32 as uint32): clearing the sign bit gives a
+magnitude whose maximum over H says both things at once, per (token, layer): 0 means an all-zero
+vector, and at least the exponent-all-ones pattern means an inf or NaN somewhere in it. It runs on
+blocks that the writer has just copied (still in the CPU cache), so it costs no extra memory pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from hsx.errors import TransientError
+
+# What a chunk does with a sample whose states fail a check.
+BadStatesPolicy = Literal["fail", "skip", "off"]
+
+# (magnitude mask, smallest non-finite magnitude) by stored dtype
+_BITS: dict[np.dtype[np.generic], tuple[np.dtype[np.generic], int, int]] = {
+    np.dtype(np.uint16): (np.dtype(np.uint16), 0x7FFF, 0x7F80),  # bfloat16 bits
+    np.dtype(np.float32): (np.dtype(np.uint32), 0x7FFFFFFF, 0x7F800000),
+}
+
+
+class CapturedDataError(TransientError):
+    """A sample's captured states failed a check. Retried (a leak between requests or a device
+    fault may not repeat); with ``capture.on_bad_states=skip`` the sample is recorded as skipped
+    instead and the chunk commits."""
+
+    def __init__(self, message: str, sample: int | None = None) -> None:
+        super().__init__(message)
+        self.sample = sample
+
+    def __reduce__(self) -> tuple[type[CapturedDataError], tuple[str, int | None]]:
+        return (type(self), (str(self), self.sample))
+
+
+class _Scratch(threading.local):
+    """One magnitude buffer per writer thread: a fresh allocation per block page-faults."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[np.dtype[np.generic], np.ndarray] = {}
+
+    def get(self, dtype: np.dtype[np.generic], size: int) -> np.ndarray:
+        buffer = self.buffers.get(dtype)
+        if buffer is None or buffer.size < size:
+            buffer = np.empty(size, dtype=dtype)
+            self.buffers[dtype] = buffer
+        return buffer[:size]
+
+
+_SCRATCH = _Scratch()
+
+
+@dataclass
+class SampleScan:
+    """Problems of one sample's states, accumulated block by block."""
+
+    layer_ids: tuple[int, ...]
+    tokens: int
+    nonfinite: int = 0
+    first_nonfinite: tuple[int, int] | None = None
+    zero: int = 0
+    first_zero: tuple[int, int] | None = None
+    layer_nonzero: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layer_nonzero = np.zeros(len(self.layer_ids), dtype=bool)
+
+    def add(self, block: np.ndarray, token_offset: int) -> None:
+        """Scan rows ``[token_offset, token_offset + n)`` of the sample; ``block`` is
+        ``[n, K, H]`` in the store's physical dtype."""
+        if block.dtype not in _BITS:
+            raise TypeError(f"states check: expected uint16 (bf16) or float32, found {block.dtype}")
+        bits_dtype, mask, nonfinite_from = _BITS[block.dtype]
+        bits = block.view(bits_dtype)
+        magnitude = _SCRATCH.get(bits_dtype, bits.size).reshape(bits.shape)
+        np.bitwise_and(bits, mask, out=magnitude)
+        largest = magnitude.max(axis=-1)  # [n, K]
+        bad = largest >= nonfinite_from
+        if bad.any():
+            self.nonfinite += int(bad.sum())
+            if self.first_nonfinite is None:
+                token, layer = np.argwhere(bad)[0]
+                self.first_nonfinite = (token_offset + int(token), int(layer))
+        nonzero = largest != 0
+        self.layer_nonzero |= nonzero.any(axis=0)
+        if not nonzero.all():
+            self.zero += int((~nonzero).sum())
+            if self.first_zero is None:
+                token, layer = np.argwhere(~nonzero)[0]
+                self.first_zero = (token_offset + int(token), int(layer))
+
+    def problem(self) -> str | None:
+        """What is wrong with the sample's states, or None."""
+        problems = []
+        positions = self.tokens * len(self.layer_ids)
+        if self.first_nonfinite is not None:
+            token, layer = self.first_nonfinite
+            problems.append(
+                f"non-finite values (inf/NaN) at {self.nonfinite} of {positions} (token, layer) "
+                f"positions, first at token {token}, layer id {self.layer_ids[layer]}"
+            )
+        dead = [self.layer_ids[k] for k in np.flatnonzero(~self.layer_nonzero)]
+        if dead:
+            problems.append(f"all-zero states at every token of layer id(s) {dead}")
+        elif self.first_zero is not None:
+            token, layer = self.first_zero
+            problems.append(
+                f"all-zero state vectors at {self.zero} of {positions} (token, layer) positions, "
+                f"first at token {token}, layer id {self.layer_ids[layer]}"
+            )
+        return "; ".join(problems) or None
+
+
+def check_token_ids(key: str, planned: list[int], seen: list[int] | None) -> str | None:
+    """The prompt the engine ran against the planned token ids (a template or BOS added by the
+    engine would shift every state against the stored ids)."""
+    if seen is None or list(seen) == planned:
+        return None
+    first = next(
+        (i for i, (a, b) in enumerate(zip(planned, seen, strict=False)) if a != b),
+        min(len(planned), len(seen)),
+    )
+    return (
+        f"request {key}: expected the engine to run the {len(planned)} planned token ids, "
+        f"found {len(seen)} ids differing from position {first}"
+    )

@@ -25,7 +25,7 @@ from hsx.interrupt import request_stop, stop_reason, stop_requested
 from hsx.pipeline import chunk_concurrency, record_run, resolve_settings
 from hsx.store import ExtractionStore
 from settings import HsxSettings
-from tasks.common import backoff
+from tasks.common import backoff, describe
 from tasks.extract import extract_chunk_task
 from tasks.plan import plan_task, resume_check_task
 from tasks.preflight import preflight_tasks
@@ -70,7 +70,9 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         retry_delay_seconds=backoff(settings.run.retry_delay_seconds, settings.run.retries),
     )
     failed: list[int] = []
+    errors: dict[int, str] = {}  # failed chunk -> its last error
     abandoned: list[int] = []
+    skipped_samples = 0
     extracted_tokens = 0
     consecutive = 0
     pending = plan["pending"]
@@ -103,6 +105,7 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
                     abandoned.append(chunk_index)
                     continue
                 failed.append(chunk_index)
+                errors[chunk_index] = describe(future.result(raise_on_failure=False))
                 consecutive += 1
                 if consecutive >= MAX_CONSECUTIVE_FAILURES and queue:
                     logger.error(
@@ -114,6 +117,7 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
             consecutive = 0
             result = future.result()
             extracted_tokens += int(result["tokens"])
+            skipped_samples += int(result.get("samples_skipped", 0))
             elapsed = time.perf_counter() - started
             logger.info(
                 "progress: %d/%d chunks, %d tokens, %.0f tokens/s, ETA %.0f s",
@@ -153,7 +157,9 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         "chunks": plan["chunks"],
         "chunks_extracted_now": len(pending) - len(failed) - len(not_started),
         "chunks_failed": failed,
+        "chunk_errors": {str(index): errors[index] for index in failed},
         "chunks_not_started": not_started,
+        "samples_skipped_now": skipped_samples,
         "tokens_extracted_now": extracted_tokens,
         # Wall time of the extraction phase, the engine load of a first chunk included.
         "extract_tokens_per_s": round(extracted_tokens / loop_seconds, 1)
@@ -178,10 +184,16 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         description=f"{summary['chunks_extracted_now']} chunks extracted, {verification['summary']}",
     )
     if failed or not_started or not verification["ok"]:
+        listed = "".join(f"\n  chunk {index}: {errors[index]}" for index in failed[:20])
+        more = (
+            f"\n  ... and {len(failed) - 20} more (the run record lists all)"
+            if len(failed) > 20
+            else ""
+        )
         raise ExtractionIncompleteError(
-            f"expected every work chunk committed and verified, found {len(failed)} failed "
-            f"(chunks {failed[:20]}) and verification {verification['summary']}; "
-            "re-run (or Retry in the UI) to redo only what is missing"
+            f"expected every work chunk committed and verified, found {len(failed)} failed, "
+            f"{len(not_started)} not started, and verification {verification['summary']}; "
+            f"re-run (or Retry in the UI) to redo only what is missing.{listed}{more}"
         )
     return summary
 

@@ -53,4 +53,5 @@ def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any
             "skipped": False,
             "tokens": record.tokens,
             "seconds": record.seconds,
+            "samples_skipped": len(record.skipped_samples),
         }

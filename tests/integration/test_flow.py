@@ -5,6 +5,7 @@ the logs, the run ends Failed, and the next run redoes only that chunk."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,9 +150,16 @@ def test_failed_chunk_retries_alone_and_resumes(
     blocker = tmp_path / "fault.zarr" / "hidden_states" / f"c.{first_object}.0.0"
     blocker.mkdir(parents=True)
 
-    with pytest.raises(ExtractionIncompleteError, match=r"1 failed \(chunks \[1\]\)"):
+    with pytest.raises(ExtractionIncompleteError) as incomplete:
         extract_flow(settings)
+    # The failed chunks are listed with their errors, in the error and in the run record.
+    assert re.search(
+        r"1 failed, 0 not started.*\n  chunk 1: .*IsADirectoryError", str(incomplete.value), re.S
+    ), str(incomplete.value)
     assert sorted(store.committed_chunks()) == [i for i in range(plan.chunks) if i != 1]
+    (record,) = [r for r in store.run_records() if r["status"] == "failed"]
+    assert list(record["summary"]["chunk_errors"]) == ["1"]
+    assert "IsADirectoryError" in record["summary"]["chunk_errors"]["1"]
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
     failed_run = runs[0]

@@ -281,14 +281,33 @@ def demo(
 
 
 @app.command()
-def verify(store_url: Annotated[str, typer.Argument(help="Store URL.")]) -> None:
+def verify(
+    store_url: Annotated[str, typer.Argument(help="Store URL.")],
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="Drop the commit records of corrupt chunks; with --model and --dataset, "
+            "extract exactly those again.",
+        ),
+    ] = False,
+    model: Annotated[
+        Path | None, typer.Option(help="With --repair: the model folder, to re-extract.")
+    ] = None,
+    dataset: Annotated[
+        Path | None, typer.Option(help="With --repair: the dataset, to re-extract.")
+    ] = None,
+) -> None:
     """Re-hash every committed chunk; exit 0 only when every planned chunk verifies."""
     from hsx.errors import HsxError
     from hsx.store import ExtractionStore
-    from hsx.verify import verify_store
+    from hsx.verify import repair_store, verify_store
 
+    if (model is None) != (dataset is None) or (model is not None and not repair):
+        _fail("--model and --dataset: expected both, with --repair, or neither")
     try:
-        report = verify_store(ExtractionStore.open(store_url))
+        store = ExtractionStore.open(store_url, mode="r+" if repair else "r")
+        report = verify_store(store)
     except HsxError as exc:
         _fail(str(exc))
         return
@@ -299,7 +318,22 @@ def verify(store_url: Annotated[str, typer.Argument(help="Store URL.")]) -> None
             f"[yellow]uncommitted chunks[/]: {report.missing[:50]}{' ...' if len(report.missing) > 50 else ''}"
         )
     console.print(("[green]" if report.ok else "[red]") + report.summary())
-    raise typer.Exit(0 if report.ok else 1)
+    if not repair or not report.problems:
+        raise typer.Exit(0 if report.ok else 1)
+    dropped = repair_store(store, report)
+    console.print(f"[yellow]repair[/]: dropped the commit records of chunks {sorted(dropped)}")
+    if model is None or dataset is None:
+        console.print(
+            "re-extract exactly those with: hsx extract --model MODEL --dataset DATASET "
+            f"--store {store_url} (or hsx verify {store_url} --repair --model ... --dataset ...)"
+        )
+        raise typer.Exit(1)
+    # The store's own settings (it froze what changes the data), on this machine's paths.
+    recorded = dict(store.meta["settings"])
+    recorded.update(model=str(model), dataset=str(dataset), store=store_url)
+    recorded.get("run", {})["preflight"] = False  # the store was written by this model already
+    settings = build_settings(**recorded)
+    raise typer.Exit(run_extraction(settings))
 
 
 @app.command()

@@ -148,14 +148,27 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
             f"by this run, {len(abandoned)} abandoned before their commit, {len(not_started)} "
             "not started; a re-run extracts exactly what is missing"
         )
-    verification = verify_task(settings)
+    verification = verify_task(settings, repair=settings.run.repair)
+    repaired: list[int] = verification["repaired"]
+    if repaired:
+        # Corrupt chunks lost their commits: extract them again, then verify everything again.
+        redo = [(index, chunk_task.submit(settings, index)) for index in repaired]
+        for index, future in redo:
+            future.wait()
+            if future.state.is_failed() or future.state.is_crashed():
+                failed.append(index)
+                errors[index] = describe(future.result(raise_on_failure=False))
+            else:
+                extracted_tokens += int(future.result()["tokens"])
+        verification = verify_task(settings)
     wall = time.perf_counter() - started
     summary = {
         "store": settings.store,
         "samples": plan["samples"],
         "tokens": plan["tokens"],
         "chunks": plan["chunks"],
-        "chunks_extracted_now": len(pending) - len(failed) - len(not_started),
+        "chunks_extracted_now": len(pending) + len(repaired) - len(failed) - len(not_started),
+        "chunks_repaired": repaired,
         "chunks_failed": failed,
         "chunk_errors": {str(index): errors[index] for index in failed},
         "chunks_not_started": not_started,

@@ -37,7 +37,7 @@ from hsx.planning import (
     store_metadata,
 )
 from hsx.store import CommitRecord, ExtractionStore, check_store_url, existing_store_meta
-from hsx.verify import VerifyReport, verify_store
+from hsx.verify import VerifyReport, repair_store, verify_store
 from settings import HsxSettings
 
 logger = logging.getLogger(__name__)
@@ -161,6 +161,13 @@ def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
         if existing is not None:  # the flow checked before its probe; a script may not have
             check_frozen(settings.store, existing, frozen)
         store = ExtractionStore.open_or_create(settings.store, plan, meta)
+        if existing is not None:
+            # Token rows of chunks not committed are written again from the plan: a repair
+            # drops the commit of a chunk whose input_ids or loss_mask object was corrupt, and
+            # re-extraction reads (and checksums) those rows.
+            for chunk in store.pending_chunks():
+                ids, mask = plan.chunk_rows(chunk)
+                store.write_rows(chunk.row_start, {"input_ids": ids, "loss_mask": mask})
     finally:
         plan.close()  # the token spool is in the store now (or the run failed): delete it
     pending = [chunk.index for chunk in store.pending_chunks()]
@@ -267,8 +274,14 @@ def extract_work_chunk(
         raise
 
 
-def verify(settings: HsxSettings) -> VerifyReport:
-    return verify_store(ExtractionStore.open(settings.store, mode="r"))
+def verify(
+    settings: HsxSettings, repair: bool = False
+) -> tuple[VerifyReport, dict[int, list[str]]]:
+    """Verify the store; with ``repair``, drop the commit records of corrupt chunks (the caller
+    re-extracts them). Returns the report and the dropped chunks."""
+    store = ExtractionStore.open(settings.store, mode="r+" if repair else "r")
+    report = verify_store(store)
+    return report, (repair_store(store, report) if repair else {})
 
 
 def record_run(settings: HsxSettings, run_id: str, fields: dict[str, Any]) -> None:

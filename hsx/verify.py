@@ -172,3 +172,28 @@ def verify_store(
             if progress is not None:
                 progress(1)
     return report
+
+
+def repair_store(store: ExtractionStore, report: VerifyReport) -> dict[int, list[str]]:
+    """Drop the commit records of the chunks ``report`` found corrupt, so that the next run
+    (or ``hsx verify --repair`` given the model and dataset) re-extracts exactly those. The
+    drop is kept in the store's run records. Returns chunk -> what was wrong with it."""
+    import time
+
+    dropped: dict[int, list[str]] = {}
+    for problem in report.problems:
+        dropped.setdefault(problem.chunk_index, []).append(problem.message)
+    for index in dropped:
+        store.remove_commit(index)
+    if dropped:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        store.write_run_record(
+            f"repair-{stamp}",
+            {
+                "run_id": f"repair-{stamp}",
+                "status": "repaired",
+                "recorded_at": time.time(),
+                "chunks_dropped": {str(index): problems for index, problems in dropped.items()},
+            },
+        )
+    return dropped

@@ -226,6 +226,11 @@ class RunSettings(StrictSection):
         2.0, ge=0, le=3600, description="First retry delay; doubles per retry, with jitter."
     )
     preflight: bool = Field(True, description="Run the preflight checks as the flow's first tasks.")
+    repair: bool = Field(
+        False,
+        description="When verification finds corrupt chunks, drop their commit records and "
+        "extract them again in the same run (then verify again).",
+    )
 
 
 class PipelineSettings(StrictSection):

@@ -14,14 +14,18 @@ from tasks.common import logged_failures
 
 
 @task(name="verify-checksums", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2.0)
-def verify_task(settings: HsxSettings) -> dict[str, Any]:
+def verify_task(settings: HsxSettings, repair: bool = False) -> dict[str, Any]:
+    """``repair``: drop the commit records of corrupt chunks (the flow re-extracts them)."""
     with logged_failures("verification") as logger:
-        report = verify(settings)
+        report, dropped = verify(settings, repair=repair)
         lines = [f"# Verification of `{report.url}`", "", f"**{report.summary()}**", ""]
         if report.missing:
             lines.append(f"Missing (uncommitted) chunks: {report.missing[:50]}")
         for problem in report.problems[:50]:
             lines.append(f"- chunk {problem.chunk_index}: {problem.message}")
+        if dropped:
+            lines.append(f"Repair: commit records dropped for chunks {sorted(dropped)[:50]}")
+            logger.warning("repair: dropped the commits of corrupt chunks %s", sorted(dropped))
         create_markdown_artifact("\n".join(lines), key="hsx-verify", description=report.summary())
         (logger.info if report.ok else logger.error)(
             "verification %s (%.1f MB read)", report.summary(), report.bytes_read / 1e6
@@ -34,4 +38,5 @@ def verify_task(settings: HsxSettings) -> dict[str, Any]:
             "missing": report.missing,
             "problems": [p.message for p in report.problems],
             "bytes_read": report.bytes_read,
+            "repaired": sorted(dropped),
         }

@@ -115,10 +115,49 @@ def test_flow_end_to_end_then_nothing_twice(
     assert (
         audit["meta"]["layer_ids"] == [2, 4, 5, 8] and audit["meta"]["layer_convention"] == "vllm"
     )
+    step = store.rows_per_chunk
+    before = {
+        name: store.read_rows(name, 0, store.work_chunks[-1].row_end)
+        for name in ("input_ids", "loss_mask")
+    }
     victim = sorted((tmp_path / "flow.zarr" / "loss_mask").glob("c.*"))[0]
     victim.write_bytes(bytes([victim.read_bytes()[0] ^ 1]) + victim.read_bytes()[1:])
     bad = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert bad.returncode == 1 and "Stored:" in bad.stdout, bad.stdout + bad.stderr
+
+    # One flipped byte in each kind of row object (token ids, loss mask, hidden states), in
+    # three chunks; hsx verify --repair, given the model and dataset, re-extracts exactly those.
+    root = tmp_path / "flow.zarr"
+    targets = {"loss_mask": 0, "input_ids": 1, "hidden_states": 2}
+    for name, index in list(targets.items())[1:]:
+        first_object = store.work_chunks[index].row_start // step
+        suffix = ".0.0" if name == "hidden_states" else ""
+        victim = root / name / f"c.{first_object}{suffix}"
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        victim.write_bytes(bytes(data))
+    old = {index: store.read_commit(index) for index in targets.values()}
+    repair = subprocess.run(
+        [*verify, "--repair", "--model", str(tiny_llama), "--dataset", str(sample_dataset)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
+    output = repair.stdout + repair.stderr
+    assert repair.returncode == 0, output
+    assert "dropped the commit records of chunks [0, 1, 2]" in output, output
+    store = ExtractionStore.open(url)
+    assert sorted(store.committed_chunks()) == list(range(first["chunks"]))
+    for index in targets.values():
+        assert store.read_commit(index).run_id != old[index].run_id  # type: ignore[union-attr]
+    for index in range(3, first["chunks"]):
+        assert store.read_commit(index) == commits[index]  # the others were not extracted again
+    after = {name: store.read_rows(name, 0, store.work_chunks[-1].row_end) for name in before}
+    assert all((after[name] == before[name]).all() for name in before)  # token rows restored
+    again = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert any(r["status"] == "repaired" for r in store.run_records())
 
 
 def test_failed_chunk_retries_alone_and_resumes(

@@ -45,6 +45,23 @@ class StoreError(FatalError):
     """A store whose layout, plan or attributes do not match what this run expects."""
 
 
+class StorageFullError(StoreError):
+    """The store's file system has no space left (ENOSPC, EDQUOT). Fatal, not retried: a full
+    disk does not heal within the seconds of a retry's backoff, and each retry of a chunk redoes
+    its engine work only to fail at the same write; freeing space and re-running extracts only
+    the chunks without a commit."""
+
+
+class StoreReadOnlyError(StoreError):
+    """The store's file system is mounted read-only (EROFS): no retry can write to it."""
+
+
+class StorageIOError(TransientError):
+    """An I/O error of the store's device or service (EIO, a dropped connection, throttling
+    beyond the client's own retries): retried, since these heal (a flaky link, a controller
+    reset, an object store shedding load); a chunk that keeps failing stops after its retries."""
+
+
 class RequestRefusedError(FatalError):
     """vLLM refused one prompt (too long for max_model_len, ...): the same prompt would be
     refused again; the engine itself is fine."""

@@ -16,6 +16,7 @@ as fill values, so readability proves nothing.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterator
@@ -27,7 +28,14 @@ import numpy as np
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 
-from hsx.errors import StoreError
+from hsx.errors import (
+    HsxError,
+    StorageFullError,
+    StorageIOError,
+    StoreError,
+    StoreReadOnlyError,
+    is_retryable,
+)
 from hsx.local_io import write_local_atomic
 from hsx.plan import Plan, WorkChunk
 
@@ -95,22 +103,99 @@ def existing_store_meta(url: str) -> dict[str, Any] | None:
     return meta if meta.get("layout_complete") else None
 
 
+def _store_of(path: str) -> str:
+    """The store a written object belongs to: every object hsx writes lies two levels under the
+    store's root (``ROOT/<array>/<key>``, ``ROOT/commits/<name>``, ``ROOT/runs/<name>``)."""
+    return path.rsplit("/", 2)[0] if path.count("/") >= 2 else path
+
+
+def _free_space(path: str) -> tuple[int, int] | None:
+    """(free bytes, total bytes) of the file system holding ``path`` (its nearest existing
+    folder), or None where it cannot be asked."""
+    folder = os.path.dirname(path)
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        stats = os.statvfs(folder or "/")
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+
+
+def storage_error(
+    store: str,
+    path: str,
+    nbytes: int | None,
+    exc: BaseException,
+    local: bool,
+    action: str = "write",
+) -> HsxError | None:
+    """The hsx error for a failed store I/O ``exc`` on ``path``, naming the store, the object,
+    what was expected and what was found; None where ``exc`` keeps its own type (hsx errors,
+    programming errors, a missing object: their callers decide).
+
+    Classification (DESIGN.md "Storage faults"): ENOSPC/EDQUOT and EROFS are fatal (a full or
+    read-only disk does not heal within a retry's backoff); EIO and every other failure of a
+    remote store are transient (retried by the chunk task)."""
+    if isinstance(exc, HsxError) or not is_retryable(exc) or isinstance(exc, FileNotFoundError):
+        return None
+    size = f"{nbytes:,} bytes" if nbytes is not None else "an object"
+    code = getattr(exc, "errno", None)
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    if local and code in (errno.ENOSPC, errno.EDQUOT):
+        space = _free_space(path)
+        found = (
+            f"found {space[0]:,} bytes free of {space[1]:,} on its file system"
+            if space is not None
+            else "found the file system full"
+        )
+        return StorageFullError(
+            f"store {store}: no space left on device writing {path}: expected room for {size}, "
+            f"{found} ({reason}). Free space (or move the store), then re-run: "
+            "only the chunks without a commit are extracted."
+        )
+    if local and code == errno.EROFS:
+        return StoreReadOnlyError(
+            f"store {store} is on a read-only file system: expected to write {size} to {path}, "
+            f"found EROFS ({reason}). Remount it read-write or use another store; "
+            "retrying cannot help."
+        )
+    if local and code != errno.EIO:
+        return None  # other local faults keep their type (an unknown OSError is retried)
+    what = f"errno {errno.errorcode.get(code, code)}" if code else type(exc).__name__
+    return StorageIOError(
+        f"store {store}: expected to {action} {size} {'to' if action == 'write' else 'from'} "
+        f"{path}, found an I/O error ({what}: {reason}); retried"
+    )
+
+
 def _write_atomic(
     fs: fsspec.AbstractFileSystem,
     path: str,
     payload: bytes | memoryview,
     durable: bool = False,
     direct: bool = False,
+    store: str | None = None,
 ) -> None:
     """Temp name then rename on local disks; object stores make a single PUT atomic anyway.
 
     ``durable`` fsyncs before the rename: for commit records, so a crash never leaves an empty
     record behind. Chunk data is not fsynced (verify re-reads it against the commit's checksums).
-    ``direct``: O_DIRECT on local disks where possible (hsx.local_io)."""
-    if isinstance(fs, LocalFileSystem):
-        write_local_atomic(path, memoryview(payload), durable=durable, direct=direct)
-    else:
-        fs.pipe_file(path, bytes(payload))
+    ``direct``: O_DIRECT on local disks where possible (hsx.local_io). A failure raises the hsx
+    error storage_error() gives (naming ``store``, by default the folder two levels up)."""
+    local = isinstance(fs, LocalFileSystem)
+    try:
+        if local:
+            write_local_atomic(path, memoryview(payload), durable=durable, direct=direct)
+        else:
+            fs.pipe_file(path, bytes(payload))
+    except Exception as exc:
+        error = storage_error(
+            store or _store_of(path), path, memoryview(payload).nbytes, exc, local
+        )
+        if error is None:
+            raise
+        raise error from exc
 
 
 class ExtractionStore:
@@ -338,7 +423,9 @@ class ExtractionStore:
         key = array.metadata.encode_chunk_key(coords)
         data = np.ascontiguousarray(rows, dtype=array.dtype)
         payload = memoryview(cast(Any, data)).cast("B")
-        _write_atomic(self.fs, f"{self.root}/{name}/{key}", payload, direct=self.direct_io)
+        _write_atomic(
+            self.fs, f"{self.root}/{name}/{key}", payload, direct=self.direct_io, store=self.url
+        )
 
     def read_rows(
         self, name: str, row_start: int, row_end: int, reuse: np.ndarray | None = None
@@ -388,7 +475,13 @@ class ExtractionStore:
                 if size == target.nbytes:
                     handle.readinto(target)
                 return size
-        data = self.fs.cat_file(path)
+        try:
+            data = self.fs.cat_file(path)
+        except Exception as exc:
+            error = storage_error(self.url, path, target.nbytes, exc, local=False, action="read")
+            if error is None:
+                raise
+            raise error from exc
         if len(data) == target.nbytes:
             target[:] = data
         return len(data)

@@ -6,6 +6,8 @@ A dataset is JSONL in OpenAI ``messages`` form, one conversation per line::
 
     {"id": "optional", "messages": [{"role": "user", "content": "..."}, ...]}
 
+An ``id``, where given, is a string unique in the file: a repeated one fails naming both lines.
+
 Every problem is a ``DatasetError`` naming the file and 1-based line, so a bad line fails the run
 before any extraction starts (``validate_dataset``) instead of in the middle of it.
 """
@@ -48,6 +50,8 @@ class Conversation:
     messages: tuple[ChatMessage, ...]
     byte_offset: int = 0
     """Offset of the line in the file: a work chunk seeks straight to its first sample."""
+    has_own_id: bool = False
+    """True when the line gave its ``id`` (ids must then be unique in the file)."""
 
     def as_chat(self) -> list[dict[str, str]]:
         """The messages in the dict form ``apply_chat_template`` expects."""
@@ -75,8 +79,16 @@ def _excerpt(value: object) -> str:
 def _parse_line(raw: bytes, path: Path, line_number: int, index: int) -> Conversation:
     where = f"{path}:{line_number}"
     try:
-        record = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(
+            f"{where}: expected a JSON object in UTF-8 text, found a byte that is not UTF-8 "
+            f"({exc.reason}: {raw[exc.start : exc.start + 1]!r} at byte {exc.start} of the line): "
+            f"{_excerpt(raw.decode('utf-8', errors='replace').strip())}"
+        ) from exc
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise DatasetError(
             f"{where}: expected a JSON object, found text that is not JSON ({exc}): "
             f"{_excerpt(raw.decode('utf-8', errors='replace').strip())}"
@@ -93,6 +105,7 @@ def _parse_line(raw: bytes, path: Path, line_number: int, index: int) -> Convers
             f"{where}: expected a non-empty 'messages' list, found {found} (keys: {sorted(record)})"
         )
     sample_id = record.get("id")
+    has_own_id = sample_id is not None
     if sample_id is None:
         sample_id = f"line-{line_number}"
     elif not isinstance(sample_id, str):
@@ -123,7 +136,7 @@ def _parse_line(raw: bytes, path: Path, line_number: int, index: int) -> Convers
             f"{where}: expected at least one 'assistant' message, "
             f"found roles {[role for role, _ in messages]}"
         )
-    return Conversation(index, line_number, sample_id, tuple(messages))
+    return Conversation(index, line_number, sample_id, tuple(messages), has_own_id=has_own_id)
 
 
 DEFAULT_MAX_LINE_BYTES = 8 * 2**20  # settings.DataSettings.max_line_bytes
@@ -158,11 +171,22 @@ def iter_conversations(
         found = "a directory" if path.is_dir() else "nothing"
         raise DatasetError(f"{path}: expected a JSONL dataset file, found {found} at that path")
     offset = index = 0
+    # Line of each explicit 'id' seen: a second line with one is refused naming both lines (a
+    # reader looking a sample up by its id would otherwise find either).
+    first_line_of: dict[str, int] = {}
     # Binary lines, decoded one by one: a bad UTF-8 byte is then reported with its line number.
     with path.open("rb") as lines:
         for line_number, raw in enumerate(_bounded_lines(lines, path, max_line_bytes), start=1):
             if raw.strip():
                 parsed = _parse_line(raw, path, line_number, index)
+                if parsed.has_own_id:
+                    first = first_line_of.setdefault(parsed.sample_id, line_number)
+                    if first != line_number:
+                        raise DatasetError(
+                            f"{path}:{line_number}: expected each 'id' once, found id "
+                            f"{_excerpt(parsed.sample_id)} again: lines {first} and {line_number} "
+                            "both use it"
+                        )
                 yield dataclasses.replace(parsed, byte_offset=offset)
                 index += 1
             offset += len(raw)

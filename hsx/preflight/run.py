@@ -111,8 +111,18 @@ def static_checks(
     store_url: str | None = None,
     dataset_tokens: int | None = None,
     max_length: int | None = None,
+    require_weights: bool | None = None,
 ) -> tuple[list[CheckResult], dict[str, Any]]:
-    """Every check that needs no engine. Returns (results, context for the probe)."""
+    """Every check that needs no engine. Returns (results, context for the probe).
+
+    ``require_weights``: a folder without weights fails (else it warns: the probe runs on dummy
+    weights). None = required when checking for an extraction into a store (``store_url``
+    given) that loads real weights (engine.load_format not 'dummy')."""
+    needs_weights = (
+        store_url is not None and engine.load_format != "dummy"
+        if require_weights is None
+        else require_weights
+    )
     from hsx.preflight.contract import capture_id_range, check_capture_contract, check_tokenizer
     from hsx.preflight.resolve import check_resolution, resolve_architecture
     from hsx.preflight.resources import check_resources
@@ -170,7 +180,9 @@ def static_checks(
         return result
 
     results.append(_guarded("signatures", signatures))
-    results.append(_guarded("weights", lambda: check_weights(model_dir, config)))
+    results.append(
+        _guarded("weights", lambda: check_weights(model_dir, config, required=needs_weights))
+    )
 
     def resources() -> CheckResult:
         device_memory = None

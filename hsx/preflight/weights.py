@@ -132,12 +132,27 @@ def _load_index(path: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in weight_map.items()}
 
 
-def check_weights(model_dir: Path, config: Mapping[str, Any]) -> CheckResult:
-    """Index against shards, every header parsed, sizes against the files and against config."""
+def check_weights(
+    model_dir: Path, config: Mapping[str, Any], required: bool = False
+) -> CheckResult:
+    """Index against shards, every header parsed, sizes against the files and against config.
+
+    ``required``: an extraction will load these weights (engine.load_format is not 'dummy'), so
+    a folder without any fails here, before the model load, instead of in every work chunk
+    after the store was planned; without it (a config-only folder checked by ``hsx preflight``)
+    that is a warning."""
     model_dir = Path(model_dir)
     index_path = model_dir / INDEX_NAME
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards and not index_path.exists():
+        if required:
+            files = sorted(p.name for p in model_dir.iterdir()) if model_dir.is_dir() else []
+            return CheckResult(
+                "weights",
+                Status.FAIL,
+                f"no weights in {model_dir}: expected *.safetensors shards (or {INDEX_NAME}) "
+                f"for engine.load_format 'auto'/'safetensors', found {_listed(files) or 'no files'}",
+            )
         return CheckResult(
             "weights",
             Status.WARN,

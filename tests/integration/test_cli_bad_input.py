@@ -89,10 +89,17 @@ def test_missing_model_folder(sample_dataset: Path, tmp_path: Path) -> None:
     assert_nothing_written(tmp_path / "store")
 
 
-def test_unknown_store_scheme(tiny_llama: Path, sample_dataset: Path) -> None:
-    result = extract(tiny_llama, sample_dataset, "nosuchscheme://bucket/store")
+def test_unknown_store_scheme(tiny_llama: Path, sample_dataset: Path, tmp_path: Path) -> None:
+    url = f"nosuchscheme://{tmp_path}/store"
+    before = sorted(p.name for p in REPO_ROOT.iterdir())
+    result = extract(tiny_llama, sample_dataset, url)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "nosuchscheme://bucket/store" in result.stdout and "scheme" in result.stdout
+    message = " ".join(result.stdout.split())
+    assert url in message and "scheme" in message, message
+    # Nothing written: not at the path inside the URL, nor as a local folder named by the URL.
+    assert_nothing_written(tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+    assert sorted(p.name for p in REPO_ROOT.iterdir()) == before
 
 
 def test_bad_layer_ids_name_the_value(
@@ -106,6 +113,8 @@ def test_bad_layer_ids_name_the_value(
         "2,x",
     )
     assert result.returncode == 2 and "'2,x'" in result.stdout
+    assert_nothing_written(tmp_path / "s")
+    assert not (tmp_path / "s").exists()
 
 
 def test_verify_of_a_missing_store(tmp_path: Path) -> None:

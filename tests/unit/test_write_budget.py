@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,16 @@ import pytest
 from hsx.extract import WriteBudget
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def wait_until_blocked(budget: WriteBudget, thread: threading.Thread, timeout: float = 20) -> None:
+    """Poll (generously) until ``thread`` waits on the budget's condition: proof that it is
+    blocked in acquire, not merely slow to start, whatever the machine's load."""
+    deadline = time.monotonic() + timeout
+    while len(budget._changed._waiters) < 1:  # type: ignore[attr-defined]
+        assert thread.is_alive(), "the writer finished instead of waiting"
+        assert time.monotonic() < deadline, "the writer never reached the budget's wait"
+        time.sleep(0.001)
 
 
 def test_a_writer_waits_until_its_object_fits_then_proceeds() -> None:
@@ -23,7 +34,8 @@ def test_a_writer_waits_until_its_object_fits_then_proceeds() -> None:
 
     thread = threading.Thread(target=second_writer)
     thread.start()
-    assert not entered.wait(0.3)
+    wait_until_blocked(budget, thread)
+    assert not entered.is_set()
     assert budget.used == 60
     budget.release(60)
     assert entered.wait(5)
@@ -45,8 +57,10 @@ def test_an_object_larger_than_the_budget_is_written_alone() -> None:
 
     thread = threading.Thread(target=small_writer)
     thread.start()
-    blocked.wait(5)
-    assert not done.wait(0.3)
+    assert blocked.wait(20)
+    wait_until_blocked(budget, thread)
+    assert not done.is_set()
+    assert budget.used == 250
     budget.release(250)
     assert done.wait(5)
     thread.join(5)

@@ -73,7 +73,11 @@ def validate_inputs(settings: HsxSettings) -> int:
     """Everything about the inputs that can be checked in seconds, before any model load:
     the model folder, the store URL, every line of the dataset, and on resume the inputs the
     store froze. Returns the sample count."""
-    run_spec(settings)  # model folder, config.json, layer ids in range
+    spec = run_spec(settings)  # model folder, config.json, layer ids in range
+    # Tokenizer, chat template and weight files: a second, no vLLM import.
+    from hsx.preflight.inputs import check_model_inputs
+
+    check_model_inputs(settings.model, spec.config, settings.engine)
     check_store_url(settings.store)
     samples = validate_dataset(settings.dataset, settings.data.max_line_bytes)
     check_resume(settings)

@@ -459,8 +459,10 @@ def test_a_bad_model_folder_fails_preflight_before_the_model_load(
     spoil(model_copy)
     store = tmp_path / "store"
     result = extract(model_copy, dataset, store)
-    assert_refused(result, r"signature validation failed before the model load", expected)
-    assert "model-load probe" not in result.stdout  # stopped before the probe's engine too
+    # The tokenizer, template and weight files are checked before Prefect starts; the
+    # architecture by preflight's signature validation: both before the probe's engine.
+    assert_refused(result, expected)
+    assert "model-load probe" not in result.stdout
     assert_nothing_written(store)
 
 

@@ -1,0 +1,100 @@
+"""Engine death mid-chunk: the engine core runs in a child process (engine.in_process=False) and
+is SIGKILLed while a work chunk is in flight. That chunk fails with an EngineError (transient),
+its retry rebuilds the engine and completes; the run ends Completed with every chunk verified,
+the killed chunk committed by a later attempt, and the log names the failure and the chunk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from hsx.store import ExtractionStore
+from tests.conftest import make_settings
+from tests.integration.test_flow import flow_logs
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    # Seen on its first run (2026-12-04): after the SIGKILL the run hung for 10 minutes, the
+    # engine core a zombie, the chunk never failed: the driver thread blocks in engine.step()
+    # once the core is dead. Issue 11, item 1: detect the core's death (its process sentinel)
+    # and fail the waiters naming the signal; then this test runs.
+    pytest.mark.skip(reason="engine-core death is not detected yet: the run hangs (issue 11)"),
+]
+
+
+def _engine_cores() -> list[psutil.Process]:
+    """vLLM's engine-core children of this process (spawned Python processes)."""
+    return [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if "python" in child.name().lower() or "EngineCore" in " ".join(child.cmdline())
+    ]
+
+
+def test_sigkill_of_the_engine_core_mid_chunk_is_retried_and_completes(
+    prefect_harness: None, tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from flows.extract import extract_flow
+    from hsx.engine.vllm_engine import close_all_engines
+
+    close_all_engines()  # an in-process engine of another test would be reused
+    url = str(tmp_path / "death.zarr")
+    settings = make_settings(
+        tiny_llama,
+        sample_dataset,
+        url,
+        engine={"in_process": False},
+        data={"max_samples": 120},
+        layout={"min_work_chunk_tokens": 1024},
+        run={"retries": 2, "preflight": False},
+        pipeline={"chunks_in_flight": 1},  # one chunk at a time: the kill hits exactly one
+    )
+    killed: dict[str, Any] = {}
+
+    def kill_after_first_commit() -> None:
+        commits = Path(url) / "commits"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            done = list(commits.glob("chunk-*.json")) if commits.exists() else []
+            cores = _engine_cores()
+            if done and cores:
+                killed["after"] = len(done)
+                killed["pids"] = [core.pid for core in cores]
+                for core in cores:
+                    os.kill(core.pid, signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_after_first_commit, daemon=True)
+    killer.start()
+    try:
+        summary = extract_flow(settings)
+    finally:
+        killer.join(timeout=5)
+        close_all_engines()
+    assert killed.get("pids"), "the engine core was never seen running in a child process"
+    assert summary["verified"] and summary["chunks_failed"] == []
+    store = ExtractionStore.open(url)
+    commits = store.committed_chunks()
+    assert sorted(commits) == list(range(summary["chunks"]))
+    retried = [index for index, record in commits.items() if record.attempt > 1]
+    assert len(retried) == 1, {i: r.attempt for i, r in commits.items()}
+    (chunk,) = retried
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+    assert run.state is not None and run.state.is_completed()
+    failures = [m for m in flow_logs(run.id) if f"work chunk {chunk} failed (transient" in m]
+    assert failures and "EngineError" in failures[0], failures
+    print(f"killed {killed}; chunk {chunk} retried: {failures[0][:300]}")

@@ -108,6 +108,7 @@ class VllmHiddenStateEngine:
         self._adding: list[_Pending] = []  # the batch being added (failed with the waiters)
         self._failure: BaseException | None = None
         self._closed = False
+        self._core_death = ""  # how the engine core process died, once it has
         self._ready: Future[None] = Future()
         kwargs = engine_kwargs(
             model_dir,
@@ -197,6 +198,9 @@ class VllmHiddenStateEngine:
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
+        threading.Thread(
+            target=self._watch_engine_core, name="hsx-engine-core-watch", daemon=True
+        ).start()
         from vllm import SamplingParams
 
         engine = self._llm.llm_engine
@@ -232,8 +236,32 @@ class VllmHiddenStateEngine:
                         self._rendezvous.expect(engine_id, len(ids), future)
         except BaseException as exc:  # the engine died: fail every waiter, keep the cause
             self._failure = exc
-            logger.error("vLLM engine driver failed: %r", exc, exc_info=True)
-            self._fail_waiters(EngineError(f"vLLM engine failed: {exc!r}"))
+            death = f"; {self._core_death}" if self._core_death else ""
+            logger.error("vLLM engine driver failed: %r%s", exc, death, exc_info=True)
+            self._fail_waiters(EngineError(f"vLLM engine failed: {exc!r}{death}"))
+
+    def _watch_engine_core(self) -> None:
+        """Wake the driver when the engine core's process dies. vLLM's own monitor marks the
+        client dead and shuts it down, but its sync client's get_output() then waits forever on
+        an output queue nobody fills (seen: a SIGKILLed core hung the run for 10 minutes). The
+        contract (``resources.engine_dead``, ``outputs_queue``) is detected here; an in-process
+        core has neither, and nothing to watch."""
+        core = getattr(self._llm.llm_engine, "engine_core", None)
+        resources = getattr(core, "resources", None)
+        outputs = getattr(core, "outputs_queue", None)
+        if resources is None or outputs is None or not hasattr(resources, "engine_dead"):
+            return
+        while not self._closed and self._failure is None:
+            if resources.engine_dead:
+                manager = getattr(resources, "engine_manager", None)
+                processes = list(getattr(manager, "processes", None) or [])
+                self._core_death = "engine core " + (
+                    ", ".join(_exit_description(p) for p in processes) or "process died"
+                )
+                logger.error("vLLM %s", self._core_death)
+                outputs.put_nowait(EngineError(f"vLLM {self._core_death}"))
+                return
+            time.sleep(0.2)
 
     def _add_batch(self, engine: Any, batch: list[_Pending], params: Any) -> None:
         """Add a submitted batch's requests to the engine (in the driver thread)."""
@@ -310,6 +338,22 @@ class VllmHiddenStateEngine:
         for leftover in Path(self._spool).glob("*"):
             leftover.unlink(missing_ok=True)
         os.rmdir(self._spool)
+
+
+def _exit_description(process: Any) -> str:
+    """'process 123 died of SIGKILL' / 'process 123 exited with 1' / 'process 123 running'."""
+    import signal
+
+    code = getattr(process, "exitcode", None)
+    pid = getattr(process, "pid", "?")
+    if code is None:
+        return f"process {pid} still running"
+    if code < 0:
+        try:
+            return f"process {pid} died of {signal.Signals(-code).name}"
+        except ValueError:
+            return f"process {pid} died of signal {-code}"
+    return f"process {pid} exited with {code}"
 
 
 # ---- one engine per process, keyed by what builds it ------------------------------------------

@@ -421,9 +421,13 @@ class ChunkWriter:
             raise
 
     def _bound_in_flight(self) -> None:
-        """Raise a failed write now, not only at the end; forget finished ones."""
+        """Raise a failed write now, not only at the end; forget finished ones. Before raising,
+        wait for the writes still in flight: none may outlive the failed chunk, and each gives
+        its bytes back to the process's write budget when it ends."""
         while self._in_flight and self._in_flight[0].done():
-            self._in_flight.popleft().result()
+            if self._in_flight[0].exception() is not None:
+                self._drain()  # raises the first failure once every write has ended
+            self._in_flight.popleft()
 
     def _write(self, name: str, row_start: int, rows: np.ndarray, staged: bool) -> None:
         """Write one Zarr chunk (in an I/O thread); a staging buffer goes back to the pool."""

@@ -313,15 +313,18 @@ def verify(
         return
     for problem in report.problems:
         console.print(f"[red]chunk {problem.chunk_index}[/]: {problem.message}")
+    for message in report.index_problems:
+        console.print(f"[red]sample index[/]: {message}")
     if report.missing:
         console.print(
             f"[yellow]uncommitted chunks[/]: {report.missing[:50]}{' ...' if len(report.missing) > 50 else ''}"
         )
     console.print(("[green]" if report.ok else "[red]") + report.summary())
-    if not repair or not report.problems:
+    if not repair or not (report.problems or report.index_problems):
         raise typer.Exit(0 if report.ok else 1)
     dropped = repair_store(store, report)
-    console.print(f"[yellow]repair[/]: dropped the commit records of chunks {sorted(dropped)}")
+    if dropped:
+        console.print(f"[yellow]repair[/]: dropped the commit records of chunks {sorted(dropped)}")
     if model is None or dataset is None:
         console.print(
             "re-extract exactly those with: hsx extract --model MODEL --dataset DATASET "
@@ -349,12 +352,12 @@ def info(
 
     try:
         store = ExtractionStore.open(store_url)
+        commits = store.committed_chunks()
+        runs = list(store.run_records())
     except HsxError as exc:
         _fail(str(exc))
         return
     meta = store.meta
-    commits = store.committed_chunks()
-    runs = list(store.run_records())
     if as_json:
         meta.pop("work_chunks", None)
         print(

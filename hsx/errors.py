@@ -56,6 +56,18 @@ class StoreReadOnlyError(StoreError):
     """The store's file system is mounted read-only (EROFS): no retry can write to it."""
 
 
+class CorruptRecordError(StoreError):
+    """A commit record that does not parse (a flipped byte, a foreign file): resume refuses to
+    guess; verify reports it as that chunk's problem and ``--repair`` drops it."""
+
+    def __init__(self, message: str, chunk_index: int) -> None:
+        super().__init__(message)
+        self.chunk_index = chunk_index
+
+    def __reduce__(self) -> tuple[type[CorruptRecordError], tuple[str, int]]:
+        return (type(self), (str(self), self.chunk_index))
+
+
 class StorageIOError(TransientError):
     """An I/O error of the store's device or service (EIO, a dropped connection, throttling
     beyond the client's own retries): retried, since these heal (a flaky link, a controller

@@ -172,6 +172,8 @@ def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
             for chunk in store.pending_chunks():
                 ids, mask = plan.chunk_rows(chunk)
                 store.write_rows(chunk.row_start, {"input_ids": ids, "loss_mask": mask})
+            if store.sample_index_problems():  # a flipped byte verify found: from the plan
+                store.write_sample_index(plan)
     finally:
         plan.close()  # the token spool is in the store now (or the run failed): delete it
     pending = [chunk.index for chunk in store.pending_chunks()]

@@ -28,7 +28,9 @@ import numpy as np
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 
+from hsx.checksums import digest
 from hsx.errors import (
+    CorruptRecordError,
     HsxError,
     StorageFullError,
     StorageIOError,
@@ -96,7 +98,7 @@ def existing_store_meta(url: str) -> dict[str, Any] | None:
     """The hsx attributes of a complete store at ``url``, or None where there is none yet (an
     interrupted creation counts as none: planning re-creates it)."""
     fs, root = _fs_and_root(url)
-    if not fs.exists(f"{root}/zarr.json"):
+    if not _exists(fs, url, f"{root}/zarr.json"):
         return None
     group = zarr.open_group(url, mode="r")  # type: ignore[arg-type]
     meta = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
@@ -163,10 +165,24 @@ def storage_error(
     if local and code != errno.EIO:
         return None  # other local faults keep their type (an unknown OSError is retried)
     what = f"errno {errno.errorcode.get(code, code)}" if code else type(exc).__name__
+    target = {"write": f"{size} to {path}", "read": f"{size} from {path}"}.get(action, path)
     return StorageIOError(
-        f"store {store}: expected to {action} {size} {'to' if action == 'write' else 'from'} "
-        f"{path}, found an I/O error ({what}: {reason}); retried"
+        f"store {store}: expected to {action} {target}, found an I/O error ({what}: {reason}); "
+        "retried"
     )
+
+
+def _store_io(fs: fsspec.AbstractFileSystem, store: str, path: str, action: str, call: Any) -> Any:
+    """``call()``, a metadata or record I/O on ``path`` (exists, ls, cat, rm), with its failure
+    classified as storage_error() does: a remote store's botocore or aiohttp error becomes a
+    StorageIOError naming the store and the object, never a raw library error."""
+    try:
+        return call()
+    except Exception as exc:
+        error = storage_error(store, path, None, exc, isinstance(fs, LocalFileSystem), action)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _write_atomic(
@@ -196,6 +212,17 @@ def _write_atomic(
         if error is None:
             raise
         raise error from exc
+
+
+def _sample_index_of(plan: Plan) -> dict[str, np.ndarray]:
+    return {
+        "sample_starts": np.asarray(plan.sample_starts, dtype=np.int64),  # [N]
+        "sample_lengths": np.asarray(plan.sample_lengths, dtype=np.int32),  # [N]
+    }
+
+
+def _exists(fs: fsspec.AbstractFileSystem, store: str, path: str) -> bool:
+    return bool(_store_io(fs, store, path, "check", lambda: fs.exists(path)))
 
 
 class ExtractionStore:
@@ -237,7 +264,7 @@ class ExtractionStore:
     @classmethod
     def open(cls, url: str, mode: str = "r", direct_io: bool = False) -> ExtractionStore:
         fs, root = _fs_and_root(url)
-        if not fs.exists(f"{root}/zarr.json"):
+        if not _exists(fs, url, f"{root}/zarr.json"):
             raise StoreError(f"store {url}: expected a Zarr group (zarr.json), found nothing")
         group = zarr.open_group(url, mode=mode)  # type: ignore[arg-type]
         store = cls(url, group, direct_io)
@@ -255,7 +282,7 @@ class ExtractionStore:
         An existing store with another plan is refused with the differences: the plan never
         changes under a resumed run."""
         fs, root = _fs_and_root(url)
-        if fs.exists(f"{root}/zarr.json"):
+        if _exists(fs, url, f"{root}/zarr.json"):
             group = zarr.open_group(url, mode="r+")  # type: ignore[arg-type]
             existing: dict[str, Any] = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
             if existing.get("layout_complete"):
@@ -266,7 +293,7 @@ class ExtractionStore:
                         + " Use a new store URL, or delete this one to start over."
                     )
                 return cls(url, group)
-            if fs.exists(f"{root}/{COMMITS_DIR}"):
+            if _exists(fs, url, f"{root}/{COMMITS_DIR}"):
                 raise StoreError(
                     f"store {url}: layout incomplete but commit records exist; refusing to "
                     "recreate it. Inspect or delete the store."
@@ -329,9 +356,6 @@ class ExtractionStore:
             compressors=None,
             chunk_key_encoding=keys,
         )
-        if plan.num_samples:
-            cast(zarr.Array, group["sample_starts"])[:] = plan.sample_starts
-            cast(zarr.Array, group["sample_lengths"])[:] = plan.sample_lengths
         attrs = {
             **meta,
             "schema_version": SCHEMA_VERSION,
@@ -342,10 +366,16 @@ class ExtractionStore:
             "total_tokens": plan.total_tokens,
             "rows_per_chunk": c,
             "work_chunks": [asdict(chunk) for chunk in plan.chunks],
+            # The sample index is written once, here: its digests let verify find a flipped
+            # byte in it (no commit record covers it), and planning rewrite it.
+            "sample_index_checksums": {
+                name: digest(values) for name, values in _sample_index_of(plan).items()
+            },
             "layout_complete": False,
         }
         group.attrs[HSX_ATTR] = attrs
         store = cls(url, group)
+        store.write_sample_index(plan)
         # Token ids and loss masks are known from the plan: written once, here, so work chunks
         # only read them (and checksum them in their commits).
         for chunk in plan.chunks:
@@ -355,6 +385,34 @@ class ExtractionStore:
         group.attrs[HSX_ATTR] = attrs
         store._meta = attrs
         return store
+
+    def write_sample_index(self, plan: Plan) -> None:
+        """Write sample_starts and sample_lengths from the plan (creation, and repair)."""
+        for name, values in _sample_index_of(plan).items():
+            if values.size:
+                self.array(name)[:] = values
+        self._sample_index = None
+
+    def sample_index_problems(self) -> list[str]:
+        """What differs between the stored sample index and its digests from creation (stores
+        written before hsx kept them have none to compare with)."""
+        expected: dict[str, str] = self.meta.get("sample_index_checksums", {})
+        problems = []
+        for name, stored_digest in expected.items():
+            array = self.array(name)
+            try:
+                values = np.asarray(array[:], dtype=array.dtype)
+            except Exception as exc:  # a truncated object: zarr's codec refuses it
+                problems.append(f"{name}: expected {array.shape[0]} values, found {exc!r}")
+                continue
+            found = digest(values)
+            if found != stored_digest:
+                problems.append(
+                    f"{name}: stored and computed checksum do not match. Stored: {stored_digest} "
+                    f"Computed: {found} (planning rewrites it: `hsx verify --repair` with "
+                    "--model and --dataset, or a re-run of extract)"
+                )
+        return problems
 
     def sample_rows(self, sample_start: int, sample_end: int) -> tuple[np.ndarray, np.ndarray]:
         """(sample_starts [n] int64, sample_lengths [n] int32) of samples [start, end)."""
@@ -494,33 +552,61 @@ class ExtractionStore:
         payload = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
         _write_atomic(self.fs, self._commit_path(record.chunk_index), payload, durable=True)
 
+    def _io(self, path: str, action: str, call: Any) -> Any:
+        return _store_io(self.fs, self.url, path, action, call)
+
+    def _load_commit(self, path: str, index: int) -> CommitRecord:
+        """The record at ``path``; CorruptRecordError (naming the file and what is wrong)
+        where it does not parse as one, or belongs to another plan or chunk."""
+        raw = self._io(path, "read", lambda: self.fs.cat_file(path))
+        try:
+            record = CommitRecord(**json.loads(raw))
+        except (ValueError, TypeError) as exc:  # JSONDecodeError, UnicodeDecodeError, fields
+            raise CorruptRecordError(
+                f"commit record {path}: expected a JSON commit record, found {len(raw)} bytes "
+                f"that do not parse ({exc}). Run `hsx verify {self.url} --repair` to drop it "
+                "(the chunk is then extracted again).",
+                index,
+            ) from exc
+        expected = (self.meta["plan_hash"], index)
+        if (record.plan_hash, record.chunk_index) != expected:
+            raise CorruptRecordError(
+                f"commit record {path}: expected plan {expected[0]} and chunk {index}, found "
+                f"plan {record.plan_hash} and chunk {record.chunk_index}",
+                index,
+            )
+        return record
+
     def read_commit(self, index: int) -> CommitRecord | None:
         path = self._commit_path(index)
-        if not self.fs.exists(path):
+        if not _exists(self.fs, self.url, path):
             return None
-        return CommitRecord(**json.loads(self.fs.cat_file(path)))
+        return self._load_commit(path, index)
 
     def remove_commit(self, index: int) -> None:
         path = self._commit_path(index)
-        if self.fs.exists(path):
-            self.fs.rm_file(path)
+        if _exists(self.fs, self.url, path):
+            self._io(path, "delete", lambda: self.fs.rm_file(path))
 
-    def committed_chunks(self) -> dict[int, CommitRecord]:
-        """All commit records, by chunk index (records of another plan are refused)."""
+    def committed_chunks(self, unreadable: dict[int, str] | None = None) -> dict[int, CommitRecord]:
+        """All commit records, by chunk index. A record that does not parse raises
+        CorruptRecordError, or, given ``unreadable``, is put there (index -> why) instead."""
         directory = f"{self.root}/{COMMITS_DIR}"
-        if not self.fs.exists(directory):
+        if not _exists(self.fs, self.url, directory):
             return {}
         records: dict[int, CommitRecord] = {}
-        for path in sorted(self.fs.ls(directory, detail=False)):
+        listing = self._io(directory, "list", lambda: self.fs.ls(directory, detail=False))
+        for path in sorted(listing):
             name = str(path).rsplit("/", 1)[-1]
             if not (name.startswith("chunk-") and name.endswith(".json")):
                 continue  # temp files of an interrupted commit
-            record = CommitRecord(**json.loads(self.fs.cat_file(path)))
-            if record.plan_hash != self.meta["plan_hash"]:
-                raise StoreError(
-                    f"{path}: expected plan {self.meta['plan_hash']}, found {record.plan_hash}"
-                )
-            records[record.chunk_index] = record
+            index = int(name.removeprefix("chunk-").removesuffix(".json"))
+            try:
+                records[index] = self._load_commit(str(path), index)
+            except CorruptRecordError as exc:
+                if unreadable is None:
+                    raise
+                unreadable[index] = str(exc)
         return records
 
     def pending_chunks(self) -> list[WorkChunk]:
@@ -533,10 +619,12 @@ class ExtractionStore:
 
     def run_records(self) -> Iterator[dict[str, Any]]:
         directory = f"{self.root}/{RUNS_DIR}"
-        if self.fs.exists(directory):
-            for path in sorted(self.fs.ls(directory, detail=False)):
-                if str(path).endswith(".json"):
-                    yield json.loads(self.fs.cat_file(path))
+        if not _exists(self.fs, self.url, directory):
+            return
+        listing = self._io(directory, "list", lambda: self.fs.ls(directory, detail=False))
+        for path in sorted(listing):
+            if str(path).endswith(".json"):
+                yield json.loads(self._io(str(path), "read", lambda p=path: self.fs.cat_file(p)))
 
     def nbytes_stored(self) -> int:
         """Bytes of the store's objects (as the filesystem reports them)."""

@@ -33,12 +33,17 @@ class VerifyReport:
     bytes_read: int = 0
     # Samples kept out at extraction (capture.on_bad_states=skip), sample index -> reason.
     skipped_samples: dict[int, str] = field(default_factory=dict)
+    # sample_starts / sample_lengths against their digests from creation (no chunk owns them).
+    index_problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """True only when every planned chunk is committed and every byte verifies."""
         return (
-            not self.missing and not self.problems and self.chunks_verified == self.chunks_planned
+            not self.missing
+            and not self.problems
+            and not self.index_problems
+            and self.chunks_verified == self.chunks_planned
         )
 
     def summary(self) -> str:
@@ -48,9 +53,12 @@ class VerifyReport:
             if self.skipped_samples
             else ""
         )
+        index = (
+            f", sample index corrupt ({len(self.index_problems)})" if self.index_problems else ""
+        )
         return (
             f"{state}: {self.chunks_verified}/{self.chunks_planned} chunks verified, "
-            f"{len(self.missing)} missing, {len(self.problems)} with mismatches{skipped}"
+            f"{len(self.missing)} missing, {len(self.problems)} with mismatches{skipped}{index}"
         )
 
 
@@ -146,12 +154,17 @@ def verify_store(
     time, one storage object per reader at a time (bounded memory)."""
     chunks = [c for c in store.work_chunks if only is None or c.index in only]
     report = VerifyReport(url=store.url, chunks_planned=len(chunks))
-    commits = store.committed_chunks()
+    unreadable: dict[int, str] = {}  # commit records that do not parse: that chunk's problem
+    commits = store.committed_chunks(unreadable)
+    if only is None:
+        report.index_problems = store.sample_index_problems()
     step = int(store.meta["rows_per_chunk"])
     committed = []
     for chunk in chunks:
         record = commits.get(chunk.index)
-        if record is None:
+        if chunk.index in unreadable:
+            report.problems.append(ChunkProblem(chunk.index, unreadable[chunk.index]))
+        elif record is None:
             report.missing.append(chunk.index)
         else:
             committed.append((chunk, record))

@@ -20,6 +20,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from hsx.errors import HsxError
 from hsx.extract import MAX_CHUNKS_IN_FLIGHT
 from hsx.interrupt import request_stop, stop_reason, stop_requested
 from hsx.pipeline import chunk_concurrency, record_run, resolve_settings
@@ -182,14 +183,19 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         "verification": verification["summary"],
         "verified": verification["ok"],
     }
-    record_run(
-        settings,
-        run_id,
-        {
-            "status": "completed" if verification["ok"] and not failed else "failed",
-            "summary": summary,
-        },
-    )
+    record_error: HsxError | None = None
+    try:
+        record_run(
+            settings,
+            run_id,
+            {
+                "status": "completed" if verification["ok"] and not failed else "failed",
+                "summary": summary,
+            },
+        )
+    except HsxError as exc:  # a full or read-only disk: the failed chunks must still be named
+        record_error = exc
+        logger.error("the run record could not be written: %r", exc, exc_info=True)
     create_markdown_artifact(
         "# hsx extraction\n\n"
         + "\n".join(f"- **{key}**: {value}" for key, value in summary.items()),
@@ -203,11 +209,18 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
             if len(failed) > 20
             else ""
         )
+        unrecorded = (
+            f"\n  the store's run record could not be written: {record_error}"
+            if record_error is not None
+            else ""
+        )
         raise ExtractionIncompleteError(
             f"expected every work chunk committed and verified, found {len(failed)} failed, "
             f"{len(not_started)} not started, and verification {verification['summary']}; "
-            f"re-run (or Retry in the UI) to redo only what is missing.{listed}{more}"
+            f"re-run (or Retry in the UI) to redo only what is missing.{listed}{more}{unrecorded}"
         )
+    if record_error is not None:
+        raise record_error
     return summary
 
 

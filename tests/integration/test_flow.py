@@ -137,6 +137,20 @@ def test_flow_end_to_end_then_nothing_twice(
         data[len(data) // 2] ^= 0x10
         victim.write_bytes(bytes(data))
     old = {index: store.read_commit(index) for index in targets.values()}
+    # Chunk 3's commit record cut in half (it no longer parses), and one flipped byte in each
+    # sample index array (written at creation; no commit covers them).
+    record = root / "commits" / "chunk-000003.json"
+    old[3] = store.read_commit(3)
+    record.write_bytes(record.read_bytes()[: record.stat().st_size // 2])
+    index_before = store.sample_rows(0, store.meta["num_samples"])
+    for victim in (root / "sample_starts" / "c" / "0", root / "sample_lengths" / "c.0"):
+        data = bytearray(victim.read_bytes())
+        data[9] ^= 0x01
+        victim.write_bytes(bytes(data))
+    found = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert "chunk-000003.json: expected a JSON commit record" in found.stdout.replace("\n", "")
+    assert found.stdout.count("sample index") >= 2, found.stdout
     repair = subprocess.run(
         [*verify, "--repair", "--model", str(tiny_llama), "--dataset", str(sample_dataset)],
         capture_output=True,
@@ -146,12 +160,14 @@ def test_flow_end_to_end_then_nothing_twice(
     )
     output = repair.stdout + repair.stderr
     assert repair.returncode == 0, output
-    assert "dropped the commit records of chunks [0, 1, 2]" in output, output
+    assert "dropped the commit records of chunks [0, 1, 2, 3]" in output, output
     store = ExtractionStore.open(url)
     assert sorted(store.committed_chunks()) == list(range(first["chunks"]))
-    for index in targets.values():
+    for index in old:
         assert store.read_commit(index).run_id != old[index].run_id  # type: ignore[union-attr]
-    for index in range(3, first["chunks"]):
+    index_after = store.sample_rows(0, store.meta["num_samples"])
+    assert all((a == b).all() for a, b in zip(index_after, index_before, strict=True))
+    for index in range(4, first["chunks"]):
         assert store.read_commit(index) == commits[index]  # the others were not extracted again
     after = {name: store.read_rows(name, 0, store.work_chunks[-1].row_end) for name in before}
     assert all((after[name] == before[name]).all() for name in before)  # token rows restored

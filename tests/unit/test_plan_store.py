@@ -169,6 +169,61 @@ def test_flipped_byte_is_detected(tmp_path: Path) -> None:
     assert "hidden_states" in report.problems[0].message and "Stored:" in report.problems[0].message
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not json", "other chunk"])
+def test_corrupt_commit_record_is_refused_by_resume_and_dropped_by_repair(
+    store_url: str, damage: str
+) -> None:
+    from hsx.errors import CorruptRecordError
+    from hsx.verify import repair_store
+
+    plan = make_plan([30, 30, 30, 30], work=32)
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    for chunk in plan.chunks:
+        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    path = f"{store.root}/commits/chunk-000002.json"
+    raw = store.fs.cat_file(path)
+    broken = {
+        "truncated": raw[: len(raw) // 2],
+        "not json": b"\xff\xfe garbage",
+        "other chunk": raw.replace(b'"chunk_index": 2', b'"chunk_index": 1'),
+    }[damage]
+    store.fs.pipe_file(path, broken)
+    with pytest.raises(CorruptRecordError, match=r"chunk-000002\.json: expected") as refused:
+        store.pending_chunks()  # resume refuses to guess
+    assert refused.value.chunk_index == 2
+    named = "found plan" if damage == "other chunk" else "--repair"
+    assert named in str(refused.value), str(refused.value)
+    report = verify_store(store)
+    assert not report.ok and [p.chunk_index for p in report.problems] == [2]
+    assert report.chunks_verified == 3 and report.missing == []
+    assert repair_store(store, report) == {2: [report.problems[0].message]}
+    assert [c.index for c in store.pending_chunks()] == [2]
+    extract_chunk(store, plan.chunks[2], StatesEngine(), 100, RunContext("r2"))
+    assert verify_store(store).ok
+
+
+def test_flipped_sample_index_is_found_and_rewritten_from_the_plan(store_url: str) -> None:
+    plan = make_plan([30, 30, 30, 30], work=32)
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    for chunk in plan.chunks:
+        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    assert store.sample_index_problems() == []
+    path = f"{store.root}/sample_lengths/c.0"
+    data = bytearray(store.fs.cat_file(path))
+    data[4] ^= 0x01  # sample 1's length
+    store.fs.pipe_file(path, bytes(data))
+    reopened = ExtractionStore.open(store_url)
+    report = verify_store(reopened)
+    assert not report.ok and report.problems == [] and report.chunks_verified == 4
+    assert (
+        len(report.index_problems) == 1
+        and "sample_lengths: stored and computed" in (report.index_problems[0])
+    )
+    assert "sample index corrupt" in report.summary()
+    ExtractionStore.open(store_url, mode="r+").write_sample_index(plan)
+    assert verify_store(ExtractionStore.open(store_url)).ok
+
+
 def test_other_plan_is_refused_with_a_diff(store_url: str) -> None:
     ExtractionStore.open_or_create(store_url, make_plan([10, 10], tag="a"), meta())
     with pytest.raises(StoreError, match=r"tag: stored 'a', this run 'b'"):

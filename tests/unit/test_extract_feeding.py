@@ -1,6 +1,6 @@
 """How work chunks queue batches at the engine: the process-wide engine queue keeps the engine
-fed whether a chunk holds one batch or many, never queues more than its limit, and gives a
-failed chunk's tokens back.
+fed whether a chunk holds one batch or many and never queues more than its limit. (A chunk the
+real engine refuses gives its tokens back: tests/integration/test_engine_refusal.py.)
 
 The engine here is a stand-in that computes queued prompts on its own thread, a few tokens per
 "step": what is under test is how chunks queue work (hsx.extract), not the engine."""
@@ -36,13 +36,12 @@ class QueueingEngine:
     """Computes queued prompts in order on a thread of its own, ``step_tokens`` per 3 ms step,
     and records the queue order and the most tokens ever queued and not yet computed."""
 
-    def __init__(self, fail_on_first_token: int | None = None, step_tokens: int = 32) -> None:
+    def __init__(self, step_tokens: int = 32) -> None:
         self.queued: list[int] = []  # first token id of each prompt, in queue order
         self.outstanding = 0
         self.most_outstanding = 0
         self._lock = threading.Lock()
         self._work: list[tuple[np.ndarray, Future[torch.Tensor]]] = []
-        self._fail_on = fail_on_first_token
         self._step_tokens = step_tokens
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -52,10 +51,7 @@ class QueueingEngine:
         futures: list[Future[torch.Tensor]] = []
         with self._lock:
             for prompt in prompts:
-                first = int(prompt[0])
-                if first == self._fail_on:
-                    raise RuntimeError(f"engine refused the prompt starting with {first}")
-                self.queued.append(first)
+                self.queued.append(int(prompt[0]))
                 future: Future[torch.Tensor] = Future()
                 self._work.append((prompt, future))
                 futures.append(future)
@@ -129,23 +125,6 @@ def test_a_batch_larger_than_the_limit_waits_for_an_empty_queue(tmp_path: Path) 
     assert engine.most_outstanding == 48  # one whole batch, alone
     assert sorted(store.committed_chunks()) == [0, 1]
     assert extract._ENGINE_QUEUE.queued == 0
-
-
-def test_a_failing_chunk_gives_its_queued_tokens_back(tmp_path: Path) -> None:
-    plan = make_plan([8] * 12, c=16, work=48)
-    store = ExtractionStore.open_or_create(str(tmp_path / "s"), plan, meta())
-    engine = QueueingEngine(fail_on_first_token=int(sample_tokens(2, 1)[0][0]))
-    try:
-        with pytest.raises(RuntimeError, match="engine refused the prompt starting with 200"):
-            extract_chunk(store, plan.chunks[0], engine, 16, RunContext("r"), queue_limit=16)
-        deadline = time.monotonic() + 5
-        while extract._ENGINE_QUEUE.queued and time.monotonic() < deadline:
-            time.sleep(0.01)  # the batches queued before the failure are still computed
-        assert extract._ENGINE_QUEUE.queued == 0
-        extract_chunk(store, plan.chunks[1], engine, 16, RunContext("r"), queue_limit=16)
-    finally:
-        engine.close()
-    assert sorted(store.committed_chunks()) == [1]
 
 
 def test_chunks_in_flight_from_the_plan_and_the_setting() -> None:

@@ -27,7 +27,7 @@ from hsx.extract import (
 )
 from hsx.store import ExtractionStore
 from settings import PipelineSettings
-from tests.unit.test_plan_store import H, K, make_plan, meta, sample_tokens
+from tests.unit.test_plan_store import H, K, make_plan, meta
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -109,6 +109,44 @@ def connector_contract_problems(
     except ValueError as exc:
         problems.append(f"{connector.__name__}: {exc}")
     problems += request_output_problems()
+    problems += engine_core_watch_problems()
+    return problems
+
+
+def engine_core_watch_problems() -> list[str]:
+    """hsx wakes a driver whose engine core process died (VllmHiddenStateEngine's watcher): it
+    reads the client's ``resources.engine_dead`` and puts an exception into ``outputs_queue``,
+    which ``get_output`` raises. Where this vLLM lacks any of it, a core killed mid-chunk would
+    hang the run (vLLM's sync client waits forever), so preflight names what moved."""
+    import dataclasses
+    import inspect
+
+    try:
+        from vllm.v1.engine import core_client
+    except ImportError as exc:
+        return [
+            f"vllm.v1.engine.core_client: expected the engine-core client module, found {exc!r}"
+        ]
+    problems = []
+    resources = getattr(core_client, "BackgroundResources", None)
+    fields = (
+        {f.name for f in dataclasses.fields(resources)}
+        if resources is not None and dataclasses.is_dataclass(resources)
+        else set(vars(resources or object))
+    )
+    if "engine_dead" not in fields:
+        problems.append(
+            "vllm.v1.engine.core_client.BackgroundResources: expected an engine_dead flag (how "
+            f"hsx sees an engine core die), found {sorted(fields)[:12] or 'no such class'}"
+        )
+    client = getattr(core_client, "SyncMPClient", None)
+    get_output = inspect.getsource(client.get_output) if client is not None else ""
+    if "outputs_queue" not in get_output or "Exception" not in get_output:
+        problems.append(
+            "vllm.v1.engine.core_client.SyncMPClient.get_output: expected it to raise an "
+            "exception found in outputs_queue (how hsx wakes a driver whose engine core died), "
+            f"found {'no SyncMPClient' if client is None else 'another implementation'}"
+        )
     return problems
 
 

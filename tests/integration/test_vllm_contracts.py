@@ -58,3 +58,31 @@ def test_static_preflight_checks_the_contracts(tiny_llama: object) -> None:
     engine = by_check["engine"]
     assert engine.status == Status.PASS and "max_model_len 2048" in engine.summary
     assert any("attention backend" in line for line in engine.details)
+
+
+def test_a_moved_engine_core_contract_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The installed vLLM has what the engine-core watcher reads; one without it (a release
+    that renamed the flag, or whose get_output no longer raises a queued exception) is named."""
+    import dataclasses
+
+    from vllm.v1.engine import core_client
+
+    from hsx.engine.vllm_compat import engine_core_watch_problems
+
+    assert engine_core_watch_problems() == []
+
+    @dataclasses.dataclass
+    class ResourcesWithoutFlag:
+        output_socket: object = None
+
+    class ClientThatPolls:
+        def get_output(self) -> object:
+            return self.poll()  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(core_client, "BackgroundResources", ResourcesWithoutFlag)
+    monkeypatch.setattr(core_client, "SyncMPClient", ClientThatPolls)
+    problems = engine_core_watch_problems()
+    assert len(problems) == 2, problems
+    assert "expected an engine_dead flag" in problems[0] and "output_socket" in problems[0]
+    assert "expected it to raise an exception found in outputs_queue" in problems[1]
+    assert problems == connector_contract_problems(HsxHiddenStatesConnector)

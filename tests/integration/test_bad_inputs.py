@@ -10,53 +10,15 @@ or the weights) or at planning (a store planned with other inputs)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
-
-GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-GOOD_LINE = json.dumps(GOOD).encode()
-
-
-def hsx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=400,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-    )
-
-
-def extract(
-    model: Path, dataset: Path, store: Path | str, *options: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return hsx(
-        "extract",
-        "--model",
-        str(model),
-        "--dataset",
-        str(dataset),
-        "--store",
-        str(store),
-        *options,
-        env=env,
-    )
-
-
-def said(result: subprocess.CompletedProcess[str]) -> str:
-    """stdout and stderr with rich's line wrapping (and the box of click's usage errors) undone."""
-    text = re.sub("[\u2500-\u257f]", " ", result.stdout + result.stderr)
-    return " ".join(text.split())
+from tests.cli import GOOD, GOOD_LINE, assert_nothing_written, extract, said
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], *patterns: str) -> None:
@@ -64,13 +26,6 @@ def assert_refused(result: subprocess.CompletedProcess[str], *patterns: str) -> 
     text = said(result)
     for pattern in patterns:
         assert re.search(pattern, text), (pattern, text[-3000:])
-
-
-def assert_nothing_written(store: Path) -> None:
-    """Failed before planning: no store at all, not even its group metadata."""
-    assert not (store / "commits").exists()
-    assert not (store / "zarr.json").exists()
-    assert not store.exists() or not any(store.iterdir()), sorted(store.rglob("*"))
 
 
 @pytest.fixture

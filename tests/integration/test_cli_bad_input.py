@@ -11,35 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import GOOD, assert_nothing_written, extract, hsx
 from tests.conftest import REPO_ROOT
 
 pytestmark = [pytest.mark.timeout(300)]
-
-GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-
-
-def hsx(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=240,
-        env={**__import__("os").environ, "COLUMNS": "200"},
-    )
-
-
-def extract(
-    model: Path, dataset: Path, store: str, *options: str
-) -> subprocess.CompletedProcess[str]:
-    return hsx(
-        "extract", "--model", str(model), "--dataset", str(dataset), "--store", store, *options
-    )
-
-
-def assert_nothing_written(store: Path) -> None:
-    assert not (store / "commits").exists()
-    assert not (store / "zarr.json").exists()
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from hsx.reader import HiddenStatesReader
 from hsx.store import ExtractionStore
 from hsx.verify import verify_store
+from tests.cli import HSX
 from tests.conftest import REPO_ROOT
 from tests.stores import compare_stores
 
@@ -23,9 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def extract_command(model: Path, dataset: Path, store: Path) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "flows.cli",
+        *HSX,
         "extract",
         "--model",
         str(model),

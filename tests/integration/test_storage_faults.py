@@ -35,7 +35,8 @@ import pytest
 
 from hsx.store import ExtractionStore
 from hsx.verify import verify_store
-from tests.conftest import REPO_ROOT, make_settings
+from tests.cli import hsx
+from tests.conftest import make_settings
 from tests.fault_proxy import FaultProxy
 from tests.integration.test_flow import flow_logs, task_runs
 from tests.stores import compare_stores
@@ -322,15 +323,7 @@ def test_s3_store_survives_throttling_and_dropped_connections(
     assert difference.max_abs_hidden <= 1e-5, difference
 
     # `hsx verify` from another process finds the store through FSSPEC_S3, as a user's would.
-    env = {**os.environ, "FSSPEC_S3": json.dumps(s3_config(s3_proxy.url))}
-    verified = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "verify", url],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-        timeout=300,
-    )
+    verified = hsx("verify", url, env={"FSSPEC_S3": json.dumps(s3_config(s3_proxy.url))})
     assert verified.returncode == 0 and "OK: 6/6 chunks verified" in verified.stdout, (
         verified.stdout + verified.stderr
     )

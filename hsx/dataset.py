@@ -384,13 +384,25 @@ def _loss_mask(
     return mask
 
 
+# Digests by (path, device, inode, size, mtime): a run reads the dataset's digest three times
+# (the CLI's check, the flow's resume check, planning), and a long-lived worker runs many flows.
+_FILE_DIGESTS: dict[tuple[str, int, int, int, int], str] = {}
+
+
 def fingerprint_file(path: Path) -> str:
-    """xxh3-128 hex digest of a file's bytes, read in 8 MiB blocks (datasets can be large)."""
+    """xxh3-128 hex digest of a file's bytes, read in 8 MiB blocks (datasets can be large);
+    computed once per version of the file in this process."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    known = _FILE_DIGESTS.get(key)
+    if known is not None:
+        return known
     digest = xxhash.xxh3_128()
     with path.open("rb") as source:
         while block := source.read(_FINGERPRINT_BLOCK):
             digest.update(block)
-    return digest.hexdigest()
+    _FILE_DIGESTS[key] = digest.hexdigest()
+    return _FILE_DIGESTS[key]
 
 
 def fingerprint_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:

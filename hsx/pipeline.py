@@ -121,8 +121,20 @@ def check_resume(settings: HsxSettings) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=4)
 def _tokenizer(model_dir: str) -> Any:
+    """The model folder's tokenizer, loaded once per version of its files in this process (a
+    long-lived worker must see a tokenizer that changed: the resume check compares it)."""
+    folder = Path(model_dir)
+    stamp = tuple(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and not p.name.endswith((".safetensors", ".bin", ".pt", ".gguf"))
+    )
+    return _tokenizer_of(model_dir, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_of(model_dir: str, stamp: tuple[tuple[str, int, int], ...]) -> Any:
     return load_tokenizer(Path(model_dir))
 
 

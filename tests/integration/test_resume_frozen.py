@@ -279,3 +279,31 @@ def test_the_cli_refuses_before_prefect_or_any_engine(planned: dict[str, Path]) 
     assert "probe" not in output.lower() and "vLLM engine" not in output, output
     assert "Starting temporary server" not in output, output
     print(f"refused in {time.monotonic() - started:.1f} s")
+
+
+def test_inputs_edited_in_place_are_seen_by_a_long_lived_process(
+    planned: dict[str, Path], tmp_path: Path
+) -> None:
+    """A worker runs many flows in one process: digests and the tokenizer are computed once per
+    version of their files, not once per path (an edit in place must be seen)."""
+    import shutil
+
+    model = _copy_model(planned, tmp_path)
+    dataset = tmp_path / "same.jsonl"
+    shutil.copy(planned["dataset"], dataset)
+    settings = _settings(model, dataset, planned["store"])
+    assert check_resume(settings) is True  # same content at other paths
+    assert check_resume(settings) is True  # and again, from this process's caches
+
+    text = dataset.read_text()
+    swapped = text.replace("a", "\0", 1).replace("e", "a", 1).replace("\0", "e", 1)
+    assert len(swapped) == len(text) and swapped != text
+    dataset.write_text(swapped)  # same size, other bytes
+    with pytest.raises(StoreError, match="Changed: dataset_fingerprint"):
+        check_resume(settings)
+    shutil.copy(planned["dataset"], dataset)
+    assert check_resume(settings) is True
+
+    _add_token(model)
+    with pytest.raises(StoreError, match="Changed: vocabulary_fingerprint"):
+        check_resume(settings)

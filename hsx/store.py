@@ -16,7 +16,6 @@ as fill values, so readability proves nothing.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Iterator
@@ -29,17 +28,9 @@ import zarr
 from fsspec.implementations.local import LocalFileSystem
 
 from hsx.checksums import digest
-from hsx.errors import (
-    CorruptRecordError,
-    HsxError,
-    StorageFullError,
-    StorageIOError,
-    StoreError,
-    StoreReadOnlyError,
-    is_retryable,
-)
-from hsx.local_io import write_local_atomic
+from hsx.errors import CorruptRecordError, StoreError
 from hsx.plan import Plan, WorkChunk
+from hsx.storage_io import exists, storage_error, store_io, write_atomic
 
 SCHEMA_VERSION = 1
 HSX_ATTR = "hsx"
@@ -98,120 +89,11 @@ def existing_store_meta(url: str) -> dict[str, Any] | None:
     """The hsx attributes of a complete store at ``url``, or None where there is none yet (an
     interrupted creation counts as none: planning re-creates it)."""
     fs, root = _fs_and_root(url)
-    if not _exists(fs, url, f"{root}/zarr.json"):
+    if not exists(fs, url, f"{root}/zarr.json"):
         return None
     group = zarr.open_group(url, mode="r")  # type: ignore[arg-type]
     meta = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
     return meta if meta.get("layout_complete") else None
-
-
-def _store_of(path: str) -> str:
-    """The store a written object belongs to: every object hsx writes lies two levels under the
-    store's root (``ROOT/<array>/<key>``, ``ROOT/commits/<name>``, ``ROOT/runs/<name>``)."""
-    return path.rsplit("/", 2)[0] if path.count("/") >= 2 else path
-
-
-def _free_space(path: str) -> tuple[int, int] | None:
-    """(free bytes, total bytes) of the file system holding ``path`` (its nearest existing
-    folder), or None where it cannot be asked."""
-    folder = os.path.dirname(path)
-    while folder and not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
-    try:
-        stats = os.statvfs(folder or "/")
-    except OSError:
-        return None
-    return stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
-
-
-def storage_error(
-    store: str,
-    path: str,
-    nbytes: int | None,
-    exc: BaseException,
-    local: bool,
-    action: str = "write",
-) -> HsxError | None:
-    """The hsx error for a failed store I/O ``exc`` on ``path``, naming the store, the object,
-    what was expected and what was found; None where ``exc`` keeps its own type (hsx errors,
-    programming errors, a missing object: their callers decide).
-
-    Classification (DESIGN.md "Storage faults"): ENOSPC/EDQUOT and EROFS are fatal (a full or
-    read-only disk does not heal within a retry's backoff); EIO and every other failure of a
-    remote store are transient (retried by the chunk task)."""
-    if isinstance(exc, HsxError) or not is_retryable(exc) or isinstance(exc, FileNotFoundError):
-        return None
-    size = f"{nbytes:,} bytes" if nbytes is not None else "an object"
-    code = getattr(exc, "errno", None)
-    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-    if local and code in (errno.ENOSPC, errno.EDQUOT):
-        space = _free_space(path)
-        found = (
-            f"found {space[0]:,} bytes free of {space[1]:,} on its file system"
-            if space is not None
-            else "found the file system full"
-        )
-        return StorageFullError(
-            f"store {store}: no space left on device writing {path}: expected room for {size}, "
-            f"{found} ({reason}). Free space (or move the store), then re-run: "
-            "only the chunks without a commit are extracted."
-        )
-    if local and code == errno.EROFS:
-        return StoreReadOnlyError(
-            f"store {store} is on a read-only file system: expected to write {size} to {path}, "
-            f"found EROFS ({reason}). Remount it read-write or use another store; "
-            "retrying cannot help."
-        )
-    if local and code != errno.EIO:
-        return None  # other local faults keep their type (an unknown OSError is retried)
-    what = f"errno {errno.errorcode.get(code, code)}" if code else type(exc).__name__
-    target = {"write": f"{size} to {path}", "read": f"{size} from {path}"}.get(action, path)
-    return StorageIOError(
-        f"store {store}: expected to {action} {target}, found an I/O error ({what}: {reason}); "
-        "retried"
-    )
-
-
-def _store_io(fs: fsspec.AbstractFileSystem, store: str, path: str, action: str, call: Any) -> Any:
-    """``call()``, a metadata or record I/O on ``path`` (exists, ls, cat, rm), with its failure
-    classified as storage_error() does: a remote store's botocore or aiohttp error becomes a
-    StorageIOError naming the store and the object, never a raw library error."""
-    try:
-        return call()
-    except Exception as exc:
-        error = storage_error(store, path, None, exc, isinstance(fs, LocalFileSystem), action)
-        if error is None:
-            raise
-        raise error from exc
-
-
-def _write_atomic(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    payload: bytes | memoryview,
-    durable: bool = False,
-    direct: bool = False,
-    store: str | None = None,
-) -> None:
-    """Temp name then rename on local disks; object stores make a single PUT atomic anyway.
-
-    ``durable`` fsyncs before the rename: for commit records, so a crash never leaves an empty
-    record behind. Chunk data is not fsynced (verify re-reads it against the commit's checksums).
-    ``direct``: O_DIRECT on local disks where possible (hsx.local_io). A failure raises the hsx
-    error storage_error() gives (naming ``store``, by default the folder two levels up)."""
-    local = isinstance(fs, LocalFileSystem)
-    try:
-        if local:
-            write_local_atomic(path, memoryview(payload), durable=durable, direct=direct)
-        else:
-            fs.pipe_file(path, bytes(payload))
-    except Exception as exc:
-        error = storage_error(
-            store or _store_of(path), path, memoryview(payload).nbytes, exc, local
-        )
-        if error is None:
-            raise
-        raise error from exc
 
 
 def _sample_index_of(plan: Plan) -> dict[str, np.ndarray]:
@@ -219,10 +101,6 @@ def _sample_index_of(plan: Plan) -> dict[str, np.ndarray]:
         "sample_starts": np.asarray(plan.sample_starts, dtype=np.int64),  # [N]
         "sample_lengths": np.asarray(plan.sample_lengths, dtype=np.int32),  # [N]
     }
-
-
-def _exists(fs: fsspec.AbstractFileSystem, store: str, path: str) -> bool:
-    return bool(_store_io(fs, store, path, "check", lambda: fs.exists(path)))
 
 
 class ExtractionStore:
@@ -264,7 +142,7 @@ class ExtractionStore:
     @classmethod
     def open(cls, url: str, mode: str = "r", direct_io: bool = False) -> ExtractionStore:
         fs, root = _fs_and_root(url)
-        if not _exists(fs, url, f"{root}/zarr.json"):
+        if not exists(fs, url, f"{root}/zarr.json"):
             raise StoreError(f"store {url}: expected a Zarr group (zarr.json), found nothing")
         group = zarr.open_group(url, mode=mode)  # type: ignore[arg-type]
         store = cls(url, group, direct_io)
@@ -282,7 +160,7 @@ class ExtractionStore:
         An existing store with another plan is refused with the differences: the plan never
         changes under a resumed run."""
         fs, root = _fs_and_root(url)
-        if _exists(fs, url, f"{root}/zarr.json"):
+        if exists(fs, url, f"{root}/zarr.json"):
             group = zarr.open_group(url, mode="r+")  # type: ignore[arg-type]
             existing: dict[str, Any] = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
             if existing.get("layout_complete"):
@@ -293,7 +171,7 @@ class ExtractionStore:
                         + " Use a new store URL, or delete this one to start over."
                     )
                 return cls(url, group)
-            if _exists(fs, url, f"{root}/{COMMITS_DIR}"):
+            if exists(fs, url, f"{root}/{COMMITS_DIR}"):
                 raise StoreError(
                     f"store {url}: layout incomplete but commit records exist; refusing to "
                     "recreate it. Inspect or delete the store."
@@ -481,7 +359,7 @@ class ExtractionStore:
         key = array.metadata.encode_chunk_key(coords)
         data = np.ascontiguousarray(rows, dtype=array.dtype)
         payload = memoryview(cast(Any, data)).cast("B")
-        _write_atomic(
+        write_atomic(
             self.fs, f"{self.root}/{name}/{key}", payload, direct=self.direct_io, store=self.url
         )
 
@@ -550,10 +428,10 @@ class ExtractionStore:
 
     def write_commit(self, record: CommitRecord) -> None:
         payload = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
-        _write_atomic(self.fs, self._commit_path(record.chunk_index), payload, durable=True)
+        write_atomic(self.fs, self._commit_path(record.chunk_index), payload, durable=True)
 
     def _io(self, path: str, action: str, call: Any) -> Any:
-        return _store_io(self.fs, self.url, path, action, call)
+        return store_io(self.fs, self.url, path, action, call)
 
     def _load_commit(self, path: str, index: int) -> CommitRecord:
         """The record at ``path``; CorruptRecordError (naming the file and what is wrong)
@@ -579,20 +457,20 @@ class ExtractionStore:
 
     def read_commit(self, index: int) -> CommitRecord | None:
         path = self._commit_path(index)
-        if not _exists(self.fs, self.url, path):
+        if not exists(self.fs, self.url, path):
             return None
         return self._load_commit(path, index)
 
     def remove_commit(self, index: int) -> None:
         path = self._commit_path(index)
-        if _exists(self.fs, self.url, path):
+        if exists(self.fs, self.url, path):
             self._io(path, "delete", lambda: self.fs.rm_file(path))
 
     def committed_chunks(self, unreadable: dict[int, str] | None = None) -> dict[int, CommitRecord]:
         """All commit records, by chunk index. A record that does not parse raises
         CorruptRecordError, or, given ``unreadable``, is put there (index -> why) instead."""
         directory = f"{self.root}/{COMMITS_DIR}"
-        if not _exists(self.fs, self.url, directory):
+        if not exists(self.fs, self.url, directory):
             return {}
         records: dict[int, CommitRecord] = {}
         listing = self._io(directory, "list", lambda: self.fs.ls(directory, detail=False))
@@ -615,11 +493,11 @@ class ExtractionStore:
 
     def write_run_record(self, run_id: str, record: dict[str, Any]) -> None:
         payload = json.dumps(record, indent=1, sort_keys=True, default=str).encode()
-        _write_atomic(self.fs, f"{self.root}/{RUNS_DIR}/{run_id}.json", payload, durable=True)
+        write_atomic(self.fs, f"{self.root}/{RUNS_DIR}/{run_id}.json", payload, durable=True)
 
     def run_records(self) -> Iterator[dict[str, Any]]:
         directory = f"{self.root}/{RUNS_DIR}"
-        if not _exists(self.fs, self.url, directory):
+        if not exists(self.fs, self.url, directory):
             return
         listing = self._io(directory, "list", lambda: self.fs.ls(directory, detail=False))
         for path in sorted(listing):

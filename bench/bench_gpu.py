@@ -238,8 +238,11 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
     passes = []
     try:
         for spec in args.stores.split(","):
-            # "disk" or "disk:io_threads=16:write_budget_mib=8192": pipeline settings per pass.
+            # "disk" or "disk:io_threads=16:write_budget_mib=8192": pipeline settings per pass;
+            # "shm:on_bad_states=off": the captured-state checks off (their cost, measured).
             where, *tunables = spec.split(":")
+            checks = [t for t in tunables if t.startswith("on_bad_states=")]
+            tunables = [t for t in tunables if t not in checks]
             folder = locations[where]
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
@@ -249,6 +252,11 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
                 pipeline = {k: int(v) for k, v in (t.split("=") for t in tunables)}
                 settings = settings.model_copy(
                     update={"pipeline": settings.pipeline.model_copy(update=pipeline)}
+                )
+            if checks:
+                mode = checks[0].split("=", 1)[1]
+                settings = settings.model_copy(
+                    update={"capture": settings.capture.model_copy(update={"on_bad_states": mode})}
                 )
             # The engine process sends its totals since it started: keep them to subtract.
             engine_before = {k: v for k, v in timings.snapshot().items() if k.startswith("engine:")}

@@ -30,6 +30,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from flows.runs_cli import runs_app
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -37,6 +39,7 @@ app = typer.Typer(
 )
 console = Console(stderr=False)
 REPO_ROOT = Path(__file__).resolve().parent.parent
+app.add_typer(runs_app, name="runs")
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -348,12 +351,19 @@ def info(
     from dataclasses import asdict
 
     from hsx.errors import HsxError
-    from hsx.store import ExtractionStore
+    from hsx.run_records import records_beside
+    from hsx.store import ExtractionStore, existing_store_meta
 
     try:
+        beside = records_beside(store_url)
+        if beside and existing_store_meta(store_url) is None:
+            # Every run failed before the store was created: their records are all there is.
+            for run in beside:
+                console.print(_run_line(run), soft_wrap=True, highlight=False)
+            raise typer.Exit(1)
         store = ExtractionStore.open(store_url)
         commits = store.committed_chunks()
-        runs = list(store.run_records())
+        runs = sorted([*store.run_records(), *beside], key=lambda r: r.get("recorded_at", 0))
     except HsxError as exc:
         _fail(str(exc))
         return
@@ -375,7 +385,10 @@ def info(
     console.print(
         f"{meta['num_samples']} samples, {meta['total_tokens']} tokens, {len(commits)}/{len(meta['work_chunks'])} chunks committed; code {meta['code_version']}"
     )
-    table = Table("chunk", "samples", "tokens", "skipped", "run", "attempt", "seconds", "finished")
+    table = Table(
+        "chunk", "samples", "tokens", "skipped", "run", "run attempt", "chunk attempt",
+        "seconds", "finished",
+    )  # fmt: skip
     for record in commits.values():
         table.add_row(
             str(record.chunk_index),
@@ -383,6 +396,7 @@ def info(
             str(record.tokens),
             str(len(record.skipped_samples)),
             record.run_id[:12],
+            str((record.extra or {}).get("flow_run_attempt", "-")),
             str(record.attempt),
             f"{record.seconds:.2f}",
             record.finished_at,
@@ -394,7 +408,25 @@ def info(
     if len(skipped) > 20:
         console.print(f"... {len(skipped) - 20} more skipped samples (hsx info --json)")
     for run in runs:
-        console.print(f"run {run.get('run_id')}: {run.get('status')} ({run.get('code_version')})")
+        console.print(_run_line(run), soft_wrap=True, highlight=False)
+
+
+def _run_line(run: dict[str, Any]) -> str:
+    """One run record: which run and attempt, its outcome, when, and why it failed."""
+    summary = run.get("summary") or {}
+    done = (
+        f", {summary.get('chunks_extracted_now')} chunks committed, "
+        f"{len(summary.get('chunks_failed', []))} failed"
+        if summary
+        else ""
+    )
+    why = f": {run['error']}" if run.get("error") else ""
+    where = f" in {run['failed_in']}" if run.get("failed_in") else ""
+    return (
+        f"run {run.get('run_id')} attempt {run.get('attempt', 1)}: {run.get('status')}{where}"
+        f" ({run.get('started_at', '?')} .. {run.get('ended_at') or 'running'}{done}; "
+        f"code {run.get('code_version')}){why}"
+    )
 
 
 @app.command()

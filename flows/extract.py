@@ -17,13 +17,23 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
-from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.reporting import (
+    Progress,
+    chunk_rows,
+    chunk_table,
+    current_attempt,
+    run_summary,
+    run_tags,
+    settings_from_parameters,
+    tag_run,
+)
 from hsx.errors import HsxError
 from hsx.extract import MAX_CHUNKS_IN_FLIGHT
 from hsx.interrupt import request_stop, stop_reason, stop_requested
-from hsx.pipeline import chunk_concurrency, record_run, resolve_settings
+from hsx.pipeline import chunk_concurrency, resolve_settings
+from hsx.run_records import RunAttempt, record_attempt
 from hsx.store import ExtractionStore
 from settings import HsxSettings
 from tasks.common import backoff, describe
@@ -51,27 +61,79 @@ class ExtractionInterruptedError(RuntimeError):
 
 @flow(
     name="hsx-extract",
-    validate_parameters=True,
+    # Parameters are validated by settings_from_parameters: a deployment run's partial settings
+    # are merged over the deployment's first (Prefect would replace them wholesale).
+    validate_parameters=False,
+    persist_result=False,  # the store is the result; nothing under ~/.prefect/storage
     # Threads start as tasks need them: the chunks in flight (sized from the plan) and the rest.
     task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHUNKS_IN_FLIGHT + 2),
 )
 def extract_flow(settings: HsxSettings) -> dict[str, Any]:
+    """Extract the hidden states of ``settings.dataset`` through ``settings.model`` into
+    ``settings.store``. From a deployment, ``settings`` may name only what it changes."""
+    attempt = current_attempt("hsx-extract")
+    stage = _Stage()
+    resolved: HsxSettings | None = None
+    try:
+        # Model-derived defaults (max_model_len, max_length) filled in once, for every task.
+        resolved = resolve_settings(settings_from_parameters(settings))
+        tag_run(*run_tags(resolved))
+        return _extract(resolved, attempt, stage)
+    except BaseException as exc:
+        if resolved is not None and not stage.recorded:
+            record_failure(resolved, attempt, stage.name, exc)
+        raise
+
+
+class _Stage:
+    """Where the run is, for the record of a run that fails before its end."""
+
+    def __init__(self) -> None:
+        self.name = "settings"
+        self.recorded = False  # a final record (completed, failed, interrupted) is written
+
+
+def record_failure(
+    settings: HsxSettings, attempt: RunAttempt, stage: str, exc: BaseException
+) -> None:
+    """The record of an attempt that failed before its end (resume check, preflight, planning,
+    an error of the flow itself): in the store, or beside it when there is no store yet."""
     logger = get_run_logger()
-    run_id = str(flow_run.get_id() or f"local-{int(time.time())}")
+    fields = {"failed_in": stage, "error": describe(exc)}
+    try:
+        where = record_attempt(settings, attempt, "failed", fields)
+    except Exception as record_exc:  # e.g. the store's disk: Prefect keeps the run all the same
+        logger.error("the run record could not be written: %r", record_exc, exc_info=True)
+        where = f"not written ({record_exc!r})"
+    run_summary(attempt, settings, "failed", {"failed_in": stage, "error": describe(exc)[:2000]})
+    create_markdown_artifact(
+        f"# hsx extraction failed in {stage}\n\n- **error**: {describe(exc)}\n"
+        f"- **attempt**: {attempt.attempt}\n- **run record**: {where}",
+        key="hsx-run-record",
+        description=f"failed in {stage}",
+    )
+
+
+def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[str, Any]:
+    logger = get_run_logger()
     started = time.perf_counter()
-    # Model-derived defaults (max_model_len, max_length) filled in once, for every task.
-    settings = resolve_settings(settings)
+    stage.name = "resume-check"
     resume_check_task(settings)  # seconds, before the probe builds a model
     if settings.run.preflight:
+        stage.name = "preflight"
         preflight_tasks(settings)
+    stage.name = "plan"
     plan = plan_task(settings)
-    record_run(settings, run_id, {"status": "running", "pending_chunks": plan["pending"]})
+    stage.name = "extract"
+    record_attempt(settings, attempt, "running", {"pending_chunks": plan["pending"]})
+    progress = Progress(len(plan["pending"]), f"{len(plan['pending'])} work chunks to extract")
     chunk_task = extract_chunk_task.with_options(
         retries=settings.run.retries,
         retry_delay_seconds=backoff(settings.run.retry_delay_seconds, settings.run.retries),
     )
     failed: list[int] = []
     errors: dict[int, str] = {}  # failed chunk -> its last error
+    results: dict[int, dict[str, Any]] = {}  # committed chunk -> what its task returned
     abandoned: list[int] = []
     skipped_samples = 0
     extracted_tokens = 0
@@ -117,6 +179,8 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
                 continue
             consecutive = 0
             result = future.result()
+            results[chunk_index] = result
+            progress.update(done)
             extracted_tokens += int(result["tokens"])
             skipped_samples += int(result.get("samples_skipped", 0))
             elapsed = time.perf_counter() - started
@@ -137,19 +201,23 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         deadline = time.monotonic() + STOP_WAIT_S
         for _, future in in_flight:
             future.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        record_interrupted(settings, run_id, failed, abandoned, list(queue), extracted_tokens)
+        record_interrupted(settings, attempt, failed, abandoned, list(queue), extracted_tokens)
+        stage.recorded = True
         raise
     not_started = list(queue)
     loop_seconds = time.perf_counter() - loop_started
     if stop_requested():
         # No verification: the user asked to stop within seconds; a re-run verifies everything.
-        record_interrupted(settings, run_id, failed, abandoned, not_started, extracted_tokens)
+        record_interrupted(settings, attempt, failed, abandoned, not_started, extracted_tokens)
+        stage.recorded = True
         raise ExtractionInterruptedError(
             f"stopped ({stop_reason()}): {done - len(failed) - len(abandoned)} chunks committed "
             f"by this run, {len(abandoned)} abandoned before their commit, {len(not_started)} "
             "not started; a re-run extracts exactly what is missing"
         )
-    verification = verify_task(settings, repair=settings.run.repair)
+    progress.update(done, force=True)
+    stage.name = "verify"
+    verification = verify_task(settings.store, repair=settings.run.repair)
     repaired: list[int] = verification["repaired"]
     if repaired:
         # Corrupt chunks lost their commits: extract them again, then verify everything again.
@@ -160,8 +228,9 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
                 failed.append(index)
                 errors[index] = describe(future.result(raise_on_failure=False))
             else:
-                extracted_tokens += int(future.result()["tokens"])
-        verification = verify_task(settings)
+                results[index] = future.result()
+                extracted_tokens += int(results[index]["tokens"])
+        verification = verify_task(settings.store)
     wall = time.perf_counter() - started
     summary = {
         "store": settings.store,
@@ -184,18 +253,34 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         "verified": verification["ok"],
     }
     record_error: HsxError | None = None
+    status = "completed" if verification["ok"] and not failed else "failed"
     try:
-        record_run(
-            settings,
-            run_id,
-            {
-                "status": "completed" if verification["ok"] and not failed else "failed",
-                "summary": summary,
-            },
-        )
+        record_attempt(settings, attempt, status, {"summary": summary})
     except HsxError as exc:  # a full or read-only disk: the failed chunks must still be named
         record_error = exc
         logger.error("the run record could not be written: %r", exc, exc_info=True)
+    stage.recorded = True
+    rows = chunk_rows(attempt.run_id, pending, results, errors, not_started)
+    chunk_table(
+        rows,
+        f"attempt {attempt.attempt}: {len(results)} chunks committed, {len(failed)} failed",
+    )
+    run_summary(
+        attempt,
+        settings,
+        status,
+        {
+            "chunks": plan["chunks"],
+            "chunks_committed_now": summary["chunks_extracted_now"],
+            "chunks_failed": len(failed),
+            "chunks_retried": sum(
+                1 for r in rows if isinstance(r["attempts"], int) and r["attempts"] > 1
+            ),
+            "tokens_extracted_now": extracted_tokens,
+            "extract_tokens_per_s": summary["extract_tokens_per_s"],
+            "verification": verification["summary"],
+        },
+    )
     create_markdown_artifact(
         "# hsx extraction\n\n"
         + "\n".join(f"- **{key}**: {value}" for key, value in summary.items()),
@@ -226,7 +311,7 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
 
 def record_interrupted(
     settings: HsxSettings,
-    run_id: str,
+    attempt: RunAttempt,
     failed: list[int],
     abandoned: list[int],
     not_started: list[int],
@@ -238,13 +323,13 @@ def record_interrupted(
     committed = [
         index
         for index, record in ExtractionStore.open(settings.store).committed_chunks().items()
-        if record.run_id == run_id
+        if record.run_id == attempt.run_id
     ]
-    record_run(
+    record_attempt(
         settings,
-        run_id,
+        attempt,
+        "interrupted",
         {
-            "status": "interrupted",
             "reason": stop_reason(),
             "chunks_extracted_now": len(committed),
             "chunks_abandoned": abandoned,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ from hsx.limits import resolve_lengths
 from hsx.plan import Plan, read_config
 from hsx.planning import (
     build_plan,
-    code_version,
     load_tokenizer,
     logical_dtype,
     resolve_layer_ids,
@@ -292,27 +290,12 @@ def extract_work_chunk(
         raise
 
 
-def verify(
-    settings: HsxSettings, repair: bool = False
-) -> tuple[VerifyReport, dict[int, list[str]]]:
+def verify(store_url: str, repair: bool = False) -> tuple[VerifyReport, dict[int, list[str]]]:
     """Verify the store; with ``repair``, drop the commit records of corrupt chunks (the caller
     re-extracts them). Returns the report and the dropped chunks."""
-    store = ExtractionStore.open(settings.store, mode="r+" if repair else "r")
+    store = ExtractionStore.open(store_url, mode="r+" if repair else "r")
     report = verify_store(store)
     return report, (repair_store(store, report) if repair else {})
-
-
-def record_run(settings: HsxSettings, run_id: str, fields: dict[str, Any]) -> None:
-    """Write (or update) this run's record in the store: settings, code version, outcome."""
-    store = ExtractionStore.open(settings.store, mode="r+")
-    record = {
-        "run_id": run_id,
-        "code_version": code_version(),
-        "settings": settings.model_dump(mode="json"),
-        "recorded_at": time.time(),
-        **fields,
-    }
-    store.write_run_record(run_id, record)
 
 
 def chunk_concurrency(settings: HsxSettings, tokens: int, chunks: int) -> int:

@@ -54,7 +54,7 @@ class CommitRecord:
     checksums: dict[str, list[str]]
     checksum_algorithm: str
     plan_hash: str
-    run_id: str
+    run_id: str  # the Prefect flow run id
     attempt: int
     code_version: str
     host: str
@@ -68,7 +68,7 @@ class CommitRecord:
     skipped_samples: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _fs_and_root(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+def fs_and_root(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except (ValueError, ImportError) as exc:
@@ -82,13 +82,13 @@ def _fs_and_root(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 def check_store_url(url: str) -> None:
     """Raise StoreError for a URL whose scheme fsspec does not know (before anything is written)."""
-    _fs_and_root(url)
+    fs_and_root(url)
 
 
 def existing_store_meta(url: str) -> dict[str, Any] | None:
     """The hsx attributes of a complete store at ``url``, or None where there is none yet (an
     interrupted creation counts as none: planning re-creates it)."""
-    fs, root = _fs_and_root(url)
+    fs, root = fs_and_root(url)
     if not exists(fs, url, f"{root}/zarr.json"):
         return None
     group = zarr.open_group(url, mode="r")  # type: ignore[arg-type]
@@ -109,7 +109,7 @@ class ExtractionStore:
     def __init__(self, url: str, group: zarr.Group, direct_io: bool = False) -> None:
         self.url = url
         self.group = group
-        self.fs, self.root = _fs_and_root(url)
+        self.fs, self.root = fs_and_root(url)
         # Attributes are fixed once the layout is complete: read them once.
         self._meta: dict[str, Any] = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
         self._arrays: dict[str, zarr.Array] = {}
@@ -141,7 +141,7 @@ class ExtractionStore:
     # ---- opening ----------------------------------------------------------------------------
     @classmethod
     def open(cls, url: str, mode: str = "r", direct_io: bool = False) -> ExtractionStore:
-        fs, root = _fs_and_root(url)
+        fs, root = fs_and_root(url)
         if not exists(fs, url, f"{root}/zarr.json"):
             raise StoreError(f"store {url}: expected a Zarr group (zarr.json), found nothing")
         group = zarr.open_group(url, mode=mode)  # type: ignore[arg-type]
@@ -159,7 +159,7 @@ class ExtractionStore:
 
         An existing store with another plan is refused with the differences: the plan never
         changes under a resumed run."""
-        fs, root = _fs_and_root(url)
+        fs, root = fs_and_root(url)
         if exists(fs, url, f"{root}/zarr.json"):
             group = zarr.open_group(url, mode="r+")  # type: ignore[arg-type]
             existing: dict[str, Any] = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# A process worker for the hsx-gpu pool: runs flow runs on this node, one at a time.
+# A process worker for the hsx-gpu pool (run by infra/prefect-up.sh): runs flow runs on this
+# node, one at a time (one engine per node). Needs PREFECT_API_URL of the server.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+: "${PREFECT_API_URL:?expected PREFECT_API_URL of the Prefect server (infra/prefect-up.sh prints it)}"
 bash "$root/scripts/bootstrap.sh"
 export HSX_REPO="$root" PREFECT_LOGGING_EXTRA_LOGGERS=hsx
-"$root/.venv/bin/prefect" work-pool create hsx-gpu --type process --overwrite >/dev/null 2>&1 || true
-exec "$root/.venv/bin/prefect" worker start --pool hsx-gpu --limit 1
+# Results stay off (the store is the result); anything Prefect keeps stays in its home.
+export PREFECT_LOCAL_STORAGE_PATH="${PREFECT_HOME:-$HOME/.prefect}/storage"
+prefect="$root/.venv/bin/prefect"
+if ! "$prefect" work-pool inspect hsx-gpu >/dev/null 2>&1; then
+  "$prefect" work-pool create hsx-gpu --type process >/dev/null
+fi
+exec "$prefect" worker start --pool hsx-gpu --limit "${HSX_WORKER_LIMIT:-1}"

@@ -1,5 +1,6 @@
 """hsx settings (pydantic-settings). Imports nothing of hsx, tasks or flows."""
 
+from settings.merge import merge_partial
 from settings.models import (
     CaptureSettings,
     DataSettings,
@@ -18,4 +19,5 @@ __all__ = [
     "PipelineSettings",
     "RunSettings",
     "StoreSettings",
+    "merge_partial",
 ]

@@ -18,6 +18,7 @@ from tasks.common import logged_failures, retry_unless_fatal
 @task(
     name="extract-chunk",
     task_run_name="extract-chunk-{chunk_index:06d}",
+    persist_result=False,  # the store's commit records are the results
     cache_policy=NO_CACHE,  # resume comes from the store's commit records, not Prefect's cache
     retries=2,
     retry_delay_seconds=[2.0, 4.0],
@@ -33,6 +34,7 @@ def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any
             extra={
                 "task_run_id": str(task_run.get_id()),
                 "flow_run_name": str(flow_run.get_name()),
+                "flow_run_attempt": int(flow_run.get_run_count() or 1),
             },
         )
         record = extract_work_chunk(settings, chunk_index, context)
@@ -52,6 +54,10 @@ def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any
             "chunk_index": chunk_index,
             "skipped": False,
             "tokens": record.tokens,
+            "rows": record.row_end - record.row_start,
             "seconds": record.seconds,
+            "attempt": record.attempt,
+            # The digest of the chunk's first hidden-state object: the UI's chunk table.
+            "checksum": (record.checksums.get("hidden_states") or ["-"])[0],
             "samples_skipped": len(record.skipped_samples),
         }

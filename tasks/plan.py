@@ -13,7 +13,7 @@ from settings import HsxSettings
 from tasks.common import logged_failures
 
 
-@task(name="plan", cache_policy=NO_CACHE, retries=0)
+@task(name="plan", cache_policy=NO_CACHE, retries=0, persist_result=False)
 def plan_task(settings: HsxSettings) -> dict[str, Any]:
     with logged_failures("planning") as logger:
         summary = plan_and_create_store(settings)
@@ -28,7 +28,7 @@ def plan_task(settings: HsxSettings) -> dict[str, Any]:
         return asdict(summary)
 
 
-@task(name="resume-check", cache_policy=NO_CACHE, retries=0)
+@task(name="resume-check", cache_policy=NO_CACHE, retries=0, persist_result=False)
 def resume_check_task(settings: HsxSettings) -> bool:
     """First of all, in seconds: a run on an existing store must not change what it froze
     (model, weights, layer ids, lengths, dataset, tokenizer, template, dtype)."""

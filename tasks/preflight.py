@@ -36,7 +36,7 @@ def _raise_on_failure(report: PreflightReport, stage: str) -> None:
         )
 
 
-@task(name="signature-validation", cache_policy=NO_CACHE, retries=0)
+@task(name="signature-validation", cache_policy=NO_CACHE, retries=0, persist_result=False)
 def signature_validation_task(settings: HsxSettings) -> dict[str, Any]:
     with logged_failures("signature validation") as logger:
         results, _ = static_checks(
@@ -58,6 +58,7 @@ def signature_validation_task(settings: HsxSettings) -> dict[str, Any]:
 @task(
     name="model-load-probe",
     cache_policy=NO_CACHE,
+    persist_result=False,
     retries=1,
     retry_delay_seconds=2.0,
     retry_condition_fn=retry_unless_fatal,  # a failed check is fatal; an engine crash is not

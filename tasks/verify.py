@@ -9,20 +9,27 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from hsx.pipeline import verify
-from settings import HsxSettings
 from tasks.common import logged_failures
 
 
-@task(name="verify-checksums", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2.0)
-def verify_task(settings: HsxSettings, repair: bool = False) -> dict[str, Any]:
+@task(
+    name="verify-checksums",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    retries=1,
+    retry_delay_seconds=2.0,
+)
+def verify_task(store_url: str, repair: bool = False) -> dict[str, Any]:
     """``repair``: drop the commit records of corrupt chunks (the flow re-extracts them)."""
     with logged_failures("verification") as logger:
-        report, dropped = verify(settings, repair=repair)
+        report, dropped = verify(store_url, repair=repair)
         lines = [f"# Verification of `{report.url}`", "", f"**{report.summary()}**", ""]
         if report.missing:
             lines.append(f"Missing (uncommitted) chunks: {report.missing[:50]}")
         for problem in report.problems[:50]:
             lines.append(f"- chunk {problem.chunk_index}: {problem.message}")
+        for message in report.index_problems:
+            lines.append(f"- sample index: {message}")
         if dropped:
             lines.append(f"Repair: commit records dropped for chunks {sorted(dropped)[:50]}")
             logger.warning("repair: dropped the commits of corrupt chunks %s", sorted(dropped))
@@ -36,7 +43,7 @@ def verify_task(settings: HsxSettings, repair: bool = False) -> dict[str, Any]:
             "verified": report.chunks_verified,
             "planned": report.chunks_planned,
             "missing": report.missing,
-            "problems": [p.message for p in report.problems],
+            "problems": [p.message for p in report.problems] + report.index_problems,
             "bytes_read": report.bytes_read,
             "repaired": sorted(dropped),
         }

@@ -97,7 +97,11 @@ def test_flow_end_to_end_then_nothing_twice(
         refused.result()
     names = [run.name for run in task_runs(refused.state_details.flow_run_id)]
     assert len(names) == 1 and names[0].startswith("resume-check"), names
-    assert len(list(store.run_records())) == 2
+    # The refused run keeps its record too (audit keeps every attempt), naming why.
+    refused_record = [r for r in store.run_records() if r["status"] == "failed"]
+    assert len(list(store.run_records())) == 3 and len(refused_record) == 1
+    assert refused_record[0]["failed_in"] == "resume-check"
+    assert "Changed: layer_ids" in refused_record[0]["error"]
 
     # hsx verify: exit 0 on this store; 1 once a stored byte flips.
     verify = [sys.executable, "-m", "flows.cli", "verify", url]
@@ -111,7 +115,7 @@ def test_flow_end_to_end_then_nothing_twice(
         timeout=120,
     )
     audit = json.loads(info.stdout)
-    assert len(audit["commits"]) == first["chunks"] and len(audit["runs"]) == 2
+    assert len(audit["commits"]) == first["chunks"] and len(audit["runs"]) == 3
     assert (
         audit["meta"]["layer_ids"] == [2, 4, 5, 8] and audit["meta"]["layer_convention"] == "vllm"
     )

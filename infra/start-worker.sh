@@ -12,4 +12,15 @@ prefect="$root/.venv/bin/prefect"
 if ! "$prefect" work-pool inspect hsx-gpu >/dev/null 2>&1; then
   "$prefect" work-pool create hsx-gpu --type process >/dev/null
 fi
-exec "$prefect" worker start --pool hsx-gpu --limit "${HSX_WORKER_LIMIT:-1}"
+# Supervised, as systemd's Restart=always would: a Prefect 3.7 worker exits with "this borrower is
+# already holding one of this CapacityLimiter's tokens" when a run is retried (the UI's Retry)
+# while the process of its last attempt is still exiting; restarted, it picks the retry up.
+child=""
+trap 'if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 0' TERM INT
+while true; do
+  "$prefect" worker start --pool hsx-gpu --limit "${HSX_WORKER_LIMIT:-1}" &
+  child=$!
+  code=0; wait "$child" || code=$?
+  echo "start-worker: the worker exited with status $code; restarting it in 5 s" >&2
+  sleep 5
+done

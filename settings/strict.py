@@ -63,9 +63,9 @@ NOT_SETTINGS = frozenset(
         "HSX_VLLM",
         "HSX_ALLOCATOR",
         "HSX_REEXECUTED",
-        "HSX_REPO",
-        "HSX_PREFECT_PORT",
-        "HSX_PREFECT_HOST",
+        "HSX_REPO",  # the checkout a worker runs flows from (infra/start-worker.sh)
+        "HSX_PREFECT_HOME",  # infra/prefect-up.sh's state folder
+        "HSX_WORKER_LIMIT",  # flow runs at once per worker (infra/start-worker.sh)
     }
 )
 

@@ -1,0 +1,298 @@
+"""Operating hsx as a team does, against a real Prefect server: infra/prefect-up.sh on a free
+127.0.0.1 port with a fresh database (SQLite; PostgreSQL from Debian's package), the deployments
+of infra/prefect.yaml, a real process worker (infra/start-worker.sh), and runs of the three
+deployments triggered through the REST API with partial parameters, as the UI and scripts do.
+A chunk that fails for real is retried with the very call the UI's Retry makes (set_state
+AwaitingRetry) and only that chunk runs again; `hsx runs`, `hsx runs show` and `hsx info` report
+both attempts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from hsx.store import ExtractionStore
+from tests.cli import hsx
+from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Stack:
+    """The server, its worker, and the REST calls the UI makes."""
+
+    def __init__(self, home: Path, port: int, env: dict[str, str]) -> None:
+        self.home, self.port, self.env = home, port, env
+        self.api = f"http://127.0.0.1:{port}/api"
+        self.http = httpx.Client(base_url=self.api, timeout=30)
+
+    def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One REST call, retried on 503 as Prefect's own client (and so the worker) does: a
+        SQLite server answers 503 when a write meets another's lock (PostgreSQL for teams)."""
+        for _ in range(20):
+            response = self.http.request(method, path, **kwargs)
+            if response.status_code != 503:
+                break
+            time.sleep(0.5)
+        response.raise_for_status()
+        return response
+
+    def deployment_id(self, flow: str, name: str) -> str:
+        response = self.call("GET", f"/deployments/name/{flow}/{name}")
+        response.raise_for_status()
+        return str(response.json()["id"])
+
+    def run(self, flow: str, name: str, parameters: dict[str, Any]) -> str:
+        deployment = self.deployment_id(flow, name)
+        response = self.call(
+            "POST", f"/deployments/{deployment}/create_flow_run", json={"parameters": parameters}
+        )
+        return str(response.json()["id"])
+
+    def flow_run(self, run_id: str) -> dict[str, Any]:
+        response = self.call("GET", f"/flow_runs/{run_id}")
+        return dict(response.json())
+
+    def wait(self, run_id: str, timeout: float = 300) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.flow_run(run_id)
+            if run["state_type"] in TERMINAL:
+                return run
+            time.sleep(1)
+        raise AssertionError(f"flow run {run_id} not finished after {timeout} s: {run['state']}")
+
+    def retry_like_the_ui(self, run_id: str) -> None:
+        """What the UI's Retry button sends."""
+        response = self.call(
+            "POST",
+            f"/flow_runs/{run_id}/set_state",
+            json={
+                "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry"},
+                "force": True,
+            },
+        )
+        assert response.json()["status"] == "ACCEPT", response.json()
+
+    def task_runs(self, run_id: str) -> list[dict[str, Any]]:
+        response = self.call(
+            "POST",
+            "/task_runs/filter",
+            json={"flow_runs": {"id": {"any_": [run_id]}}, "limit": 200},
+        )
+        return list(response.json())
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    database = str(request.param)
+    if database == "postgres" and not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
+        pytest.skip("Debian's postgresql package is not installed (apt-get install postgresql)")
+    # Not under pytest's tmp_path: PostgreSQL runs as its own user, which must reach its folder.
+    home = Path(tempfile.mkdtemp(prefix=f"hsx-prefect-{database}-"))
+    home.chmod(0o755)
+    port = _free_port()
+    env = {
+        **os.environ,
+        "HSX_PREFECT_HOME": str(home),
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",  # the worker polls every 2 s, not 10
+        "COLUMNS": "200",
+    }
+    options = ["--port", str(port)]
+    if database == "postgres":
+        options += ["--postgres", "--pg-port", str(_free_port())]
+    up = subprocess.run(
+        ["bash", str(REPO_ROOT / "infra" / "prefect-up.sh"), *options],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        assert f"http://127.0.0.1:{port}" in up.stdout
+        log = (home / "worker.log").open("wb")
+        worker = subprocess.Popen(
+            ["bash", str(REPO_ROOT / "infra" / "start-worker.sh")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        yield Stack(home, port, env)
+    finally:
+        if worker is not None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+        subprocess.run(["bash", str(REPO_ROOT / "infra" / "prefect-down.sh")], env=env, timeout=120)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_ui_shows_the_api_of_its_own_port(stack: Stack) -> None:
+    settings = httpx.get(f"http://127.0.0.1:{stack.port}/ui-settings", timeout=30).json()
+    assert settings["api_url"] == stack.api
+    names = {d["name"]: d for d in stack.call("POST", "/deployments/filter", json={}).json()}
+    assert set(names) == {"extract", "preflight", "verify"}
+    assert names["verify"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
+    extract = names["extract"]["parameters"]["settings"]
+    assert extract["model"] == f"{REPO_ROOT}/models/tiny-llama"  # usable as it is
+
+
+def test_three_deployments_run_with_partial_parameters(stack: Stack, tmp_path: Path) -> None:
+    store = str(tmp_path / "partial.zarr")
+    preflight = stack.run("hsx-preflight", "preflight", {"probe": False})
+    extract = stack.run(
+        "hsx-extract",
+        "extract",
+        # Only what changes: the deployment's model, dataset and run settings stay.
+        {"settings": {"store": store, "data": {"max_samples": 24}, "run": {"preflight": False}}},
+    )
+    checked = stack.wait(preflight)
+    assert checked["state_type"] == "COMPLETED", checked["state"]["message"]
+    finished = stack.wait(extract)
+    assert finished["state_type"] == "COMPLETED", finished["state"]["message"]
+    verify = stack.run("hsx-verify", "verify", {"store": store})
+    verified = stack.wait(verify)
+    assert verified["state_type"] == "COMPLETED", verified["state"]["message"]
+
+    opened = ExtractionStore.open(store)
+    assert opened.meta["settings"]["run"]["retries"] == 2  # the deployment's, merged
+    assert opened.meta["num_samples"] == 24  # the run's
+    (record,) = opened.run_records()
+    assert record["run_id"] == extract and record["attempt"] == 1
+    assert record["status"] == "completed" and record["ended_at"]
+    tags = set(stack.flow_run(extract)["tags"])
+    assert {"hsx", "extract", "model:tiny-llama", "dataset:sample_conversations.jsonl"} <= tags
+
+    # A misspelt key in a run's parameters fails the run naming it and the closest known one.
+    typo = stack.run("hsx-extract", "extract", {"settings": {"engine": {"max_model_lenn": 9}}})
+    failed = stack.wait(typo)
+    assert failed["state_type"] == "FAILED"
+    assert "max_model_lenn" in failed["state"]["message"] and "max_model_len" in (
+        failed["state"]["message"].replace("max_model_lenn", "")
+    )
+
+
+def test_a_failed_chunk_is_retried_from_the_ui_alone_and_both_attempts_are_kept(
+    stack: Stack, tmp_path: Path
+) -> None:
+    from hsx.pipeline import plan_and_create_store, resolve_settings
+    from settings import HsxSettings, merge_partial
+
+    store = str(tmp_path / "retried.zarr")
+    partial = {
+        "store": store,
+        "data": {"max_samples": 60},
+        "layout": {"rows_per_chunk": 256, "min_work_chunk_tokens": 1024},  # 6 work chunks
+        "run": {"preflight": False, "retries": 1, "retry_delay_seconds": 0},
+    }
+    # The store as the run will plan it, with a directory where chunk 1's first hidden-state
+    # object must go: every write of chunk 1 fails for real.
+    deployed = stack.call("GET", f"/deployments/{stack.deployment_id('hsx-extract', 'extract')}")
+    defaults = deployed.json()["parameters"]["settings"]
+    settings = resolve_settings(HsxSettings.model_validate(merge_partial(defaults, partial)))
+    plan_and_create_store(settings)
+    opened = ExtractionStore.open(store)
+    chunk = opened.work_chunks[1]
+    blocker = Path(store) / "hidden_states" / f"c.{chunk.row_start // opened.rows_per_chunk}.0.0"
+    blocker.mkdir()
+
+    run_id = stack.run("hsx-extract", "extract", {"settings": partial})
+    first = stack.wait(run_id)
+    assert first["state_type"] == "FAILED" and "chunk 1: " in first["state"]["message"]
+    planned = len(opened.work_chunks)
+    assert sorted(opened.committed_chunks()) == [i for i in range(planned) if i != 1]
+
+    blocker.rmdir()
+    stack.retry_like_the_ui(run_id)
+    second = stack.wait(run_id)
+    assert second["state_type"] == "COMPLETED", second["state"]["message"]
+    assert second["run_count"] == 2
+
+    commits = opened.committed_chunks()
+    assert sorted(commits) == list(range(planned))
+    attempts = {i: (c.extra or {}).get("flow_run_attempt") for i, c in commits.items()}
+    assert attempts[1] == 2 and all(a == 1 for i, a in attempts.items() if i != 1), attempts
+    records = sorted(
+        (r for r in opened.run_records() if r["run_id"] == run_id), key=lambda r: r["attempt"]
+    )
+    assert [(r["attempt"], r["status"]) for r in records] == [(1, "failed"), (2, "completed")]
+    assert "1" in records[0]["summary"]["chunk_errors"]
+    assert records[1]["summary"]["chunks_extracted_now"] == 1  # only chunk 1 ran again
+    chunk_1_runs = [t for t in stack.task_runs(run_id) if t["name"] == "extract-chunk-000001"]
+    assert sum(t["run_count"] for t in chunk_1_runs) == 3  # 2 in attempt 1, 1 in attempt 2
+
+    listed = hsx("runs", "--json", env=stack.env)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    (row,) = [r for r in json.loads(listed.stdout) if r["id"] == run_id]
+    assert row["state"] == "Completed" and row["attempts"] == 2 and row["committed"] == 1
+    assert row["store"] == store and row["model"].endswith("tiny-llama")
+
+    shown = hsx("runs", "show", run_id[:8], "--json", env=stack.env)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    details = json.loads(shown.stdout)
+    assert [(a["attempt"], a["status"]) for a in details["attempts"]] == [
+        (1, "failed"),
+        (2, "completed"),
+    ]
+    (failed_task,) = [
+        t for t in details["failed_or_retried_tasks"] if t["task"] == "extract-chunk-000001"
+    ] or [None]
+    assert failed_task is not None and failed_task["failures"], details
+    assert "Traceback (most recent call last)" in failed_task["failures"][0]
+    assert "IsADirectoryError" in failed_task["failures"][0]
+
+    info = hsx("info", store, env=stack.env)
+    assert info.returncode == 0, info.stdout + info.stderr
+    text = " ".join(info.stdout.split())
+    assert (
+        f"run {run_id} attempt 1: failed" in text and f"run {run_id} attempt 2: completed" in text
+    )
+
+
+def test_a_run_that_fails_before_its_store_exists_keeps_a_record_beside_it(
+    stack: Stack, tmp_path: Path
+) -> None:
+    store = str(tmp_path / "never.zarr")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "no reply"}]}\n')
+    run_id = stack.run(
+        "hsx-extract",
+        "extract",
+        {"settings": {"store": store, "dataset": str(bad), "run": {"preflight": False}}},
+    )
+    failed = stack.wait(run_id)
+    assert failed["state_type"] == "FAILED" and "bad.jsonl:1" in failed["state"]["message"]
+    assert not Path(store).exists()
+    (record_path,) = (tmp_path / "never.zarr.runs").glob("*.json")
+    record = json.loads(record_path.read_text())
+    assert record["run_id"] == run_id and record["failed_in"] == "plan"
+    assert "bad.jsonl:1" in record["error"]
+    info = hsx("info", store, env=stack.env)
+    assert info.returncode == 1 and "failed in plan" in info.stdout, info.stdout + info.stderr

@@ -10,8 +10,8 @@ demo: venv  ## the main job: tiny model -> vLLM -> Zarr store -> checksums, unde
 	@$(VENV)/bin/hsx demo
 
 lint: venv
-	@$(VENV)/bin/ruff check hsx settings tasks flows tests bench
-	@$(VENV)/bin/ruff format --check hsx settings tasks flows tests bench
+	@$(VENV)/bin/ruff check hsx settings tasks flows tests bench scripts
+	@$(VENV)/bin/ruff format --check hsx settings tasks flows tests bench scripts
 
 typecheck: venv
 	@$(VENV)/bin/mypy

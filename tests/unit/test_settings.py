@@ -138,3 +138,24 @@ def test_the_cli_reports_a_misspelt_variable(
         build_settings(model="m", dataset="d", store="s")
     assert exit_info.value.exit_code == 2
     assert "did you mean run.retries?" in capsys.readouterr().out
+
+
+def test_partial_settings_merge_over_the_deployments_section_by_section() -> None:
+    from settings import HsxSettings, merge_partial
+
+    defaults = {
+        "model": "/models/a",
+        "dataset": "/data/a.jsonl",
+        "store": "/stores/a.zarr",
+        "engine": {"tensor_parallel_size": 8, "dtype": "bfloat16"},
+        "run": {"retries": 3},
+    }
+    partial = {"store": "/stores/b.zarr", "engine": {"tensor_parallel_size": 1}}
+    merged = merge_partial(defaults, partial)
+    assert merged["engine"] == {"tensor_parallel_size": 1, "dtype": "bfloat16"}
+    assert merged["run"] == {"retries": 3} and merged["store"] == "/stores/b.zarr"
+    assert defaults["engine"]["tensor_parallel_size"] == 8  # neither input is changed
+    settings = HsxSettings.model_validate(merged)
+    assert settings.engine.dtype == "bfloat16" and settings.engine.tensor_parallel_size == 1
+    with pytest.raises(ValueError, match=r"max_model_lenn.*max_model_len"):
+        HsxSettings.model_validate(merge_partial(defaults, {"engine": {"max_model_lenn": 9}}))

@@ -2,7 +2,7 @@
 # Screenshots of a retried run's pages in the Prefect UI, taken with Debian's headless Chromium:
 # a fresh stack (infra/prefect-up.sh) on a non-default port, a worker, an extraction whose chunk 1
 # fails for real and is retried as the UI's Retry does (scripts/retried_run.py), then the flow
-# run's page: its graph and logs, its task runs, its artifacts.
+# run's page (both attempts' task runs, its tags and artifacts), its chunk table and summary.
 #   bash scripts/screenshot-retried-run.sh [OUT_DIR] [PORT]     (needs: apt-get install chromium)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,7 +33,7 @@ shoot() {  # NAME URL
     >"$home/chromium-$1.log" 2>&1
   echo "$out/$1.png"
 }
-page="http://127.0.0.1:$port/runs/flow-run/$run_id"
-shoot run "$page"
-shoot task-runs "$page?tab=Task%20Runs"
-shoot artifacts "$page?tab=Artifacts"
+ui="http://127.0.0.1:$port"
+shoot run "$ui/runs/flow-run/$run_id"          # both attempts' task runs, tags, artifact marks
+shoot chunk-table "$ui/artifacts/key/hsx-extract-chunks"   # the chunk table, per attempt
+shoot run-summary "$ui/artifacts/key/hsx-run-summary"

@@ -308,12 +308,30 @@ def verify(
 
     if (model is None) != (dataset is None) or (model is not None and not repair):
         _fail("--model and --dataset: expected both, with --repair, or neither")
+    from hsx.layout_copy import COPY_NAME, metadata_problems, repair_metadata
+    from hsx.store import fs_and_root
+
+    damaged: list[str] = []
     try:
+        # The metadata documents first, before zarr reads them: a damaged one may not open.
+        fs, root = fs_and_root(store_url)
+        if repair:
+            for name in repair_metadata(fs, root, store_url):
+                console.print(f"[yellow]repair[/]: rewrote {name} from {COPY_NAME}")
+        else:
+            damaged = metadata_problems(fs, root, store_url)
         store = ExtractionStore.open(store_url, mode="r+" if repair else "r")
         report = verify_store(store)
-    except HsxError as exc:
-        _fail(str(exc))
-        return
+    except Exception as exc:  # an hsx error, or zarr's on a damaged document
+        for message in damaged:
+            console.print(f"[red]metadata[/]: {message}", soft_wrap=True, highlight=False)
+        if damaged:  # it does not open because of them: corrupt, as verify reports it
+            _fail(f"store {store_url}: {exc!r}; `hsx verify --repair` rewrites them", 1)
+        if isinstance(exc, HsxError):
+            _fail(str(exc))
+        raise
+    for message in report.metadata_problems:
+        console.print(f"[red]metadata[/]: {message}", soft_wrap=True, highlight=False)
     for problem in report.problems:
         console.print(f"[red]chunk {problem.chunk_index}[/]: {problem.message}")
     for message in report.index_problems:

@@ -25,6 +25,7 @@ from hsx.extract import (
     extract_chunk,
 )
 from hsx.frozen import check_frozen, frozen_inputs
+from hsx.layout_copy import repair_metadata
 from hsx.limits import resolve_lengths
 from hsx.plan import Plan, read_config
 from hsx.planning import (
@@ -34,7 +35,13 @@ from hsx.planning import (
     resolve_layer_ids,
     store_metadata,
 )
-from hsx.store import CommitRecord, ExtractionStore, check_store_url, existing_store_meta
+from hsx.store import (
+    CommitRecord,
+    ExtractionStore,
+    check_store_url,
+    existing_store_meta,
+    fs_and_root,
+)
 from hsx.verify import VerifyReport, repair_store, verify_store
 from settings import HsxSettings
 
@@ -293,8 +300,15 @@ def extract_work_chunk(
 def verify(store_url: str, repair: bool = False) -> tuple[VerifyReport, dict[int, list[str]]]:
     """Verify the store; with ``repair``, drop the commit records of corrupt chunks (the caller
     re-extracts them). Returns the report and the dropped chunks."""
+    repaired: list[str] = []
+    if repair:  # before zarr reads them: a damaged document may not even open
+        fs, root = fs_and_root(store_url)
+        repaired = repair_metadata(fs, root, store_url)
+        if repaired:
+            logger.warning("repair: rewrote %s of %s from its layout copy", repaired, store_url)
     store = ExtractionStore.open(store_url, mode="r+" if repair else "r")
     report = verify_store(store)
+    report.metadata_repaired = repaired
     return report, (repair_store(store, report) if repair else {})
 
 

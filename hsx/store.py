@@ -29,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from hsx.checksums import digest
 from hsx.errors import CorruptRecordError, StoreError
+from hsx.layout_copy import write_layout_copy
 from hsx.plan import Plan, WorkChunk
 from hsx.storage_io import exists, storage_error, store_io, write_atomic
 
@@ -262,6 +263,8 @@ class ExtractionStore:
         attrs["layout_complete"] = True  # last: an interrupted creation is recreated
         group.attrs[HSX_ATTR] = attrs
         store._meta = attrs
+        # The metadata documents are final now: keep a copy that verify checks them against.
+        write_layout_copy(store.fs, store.root, url)
         return store
 
     def write_sample_index(self, plan: Plan) -> None:
@@ -501,8 +504,17 @@ class ExtractionStore:
             return
         listing = self._io(directory, "list", lambda: self.fs.ls(directory, detail=False))
         for path in sorted(listing):
-            if str(path).endswith(".json"):
-                yield json.loads(self._io(str(path), "read", lambda p=path: self.fs.cat_file(p)))
+            if not str(path).endswith(".json"):
+                continue
+            raw = self._io(str(path), "read", lambda p=path: self.fs.cat_file(p))
+            try:
+                yield dict(json.loads(raw))
+            except (ValueError, TypeError) as exc:  # audit shows a damaged record, never hides it
+                yield {
+                    "run_id": str(path).rsplit("/", 1)[-1],
+                    "status": "unreadable",
+                    "error": f"expected a JSON run record, found {exc!r}",
+                }
 
     def nbytes_stored(self) -> int:
         """Bytes of the store's objects (as the filesystem reports them)."""

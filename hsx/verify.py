@@ -12,6 +12,7 @@ import numpy as np
 
 from hsx.checksums import ALGORITHM, digest
 from hsx.errors import StoreError
+from hsx.layout_copy import metadata_problems
 from hsx.plan import WorkChunk
 from hsx.store import ROW_ARRAYS, CommitRecord, ExtractionStore
 
@@ -35,6 +36,9 @@ class VerifyReport:
     skipped_samples: dict[int, str] = field(default_factory=dict)
     # sample_starts / sample_lengths against their digests from creation (no chunk owns them).
     index_problems: list[str] = field(default_factory=list)
+    # zarr.json documents against the store's copy of them (hsx.layout_copy), and repaired ones.
+    metadata_problems: list[str] = field(default_factory=list)
+    metadata_repaired: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -43,6 +47,7 @@ class VerifyReport:
             not self.missing
             and not self.problems
             and not self.index_problems
+            and not self.metadata_problems
             and self.chunks_verified == self.chunks_planned
         )
 
@@ -56,6 +61,8 @@ class VerifyReport:
         index = (
             f", sample index corrupt ({len(self.index_problems)})" if self.index_problems else ""
         )
+        if self.metadata_problems:
+            index += f", {len(self.metadata_problems)} metadata documents differ from their copy"
         return (
             f"{state}: {self.chunks_verified}/{self.chunks_planned} chunks verified, "
             f"{len(self.missing)} missing, {len(self.problems)} with mismatches{skipped}{index}"
@@ -158,6 +165,7 @@ def verify_store(
     commits = store.committed_chunks(unreadable)
     if only is None:
         report.index_problems = store.sample_index_problems()
+        report.metadata_problems = metadata_problems(store.fs, store.root, store.url)
     step = int(store.meta["rows_per_chunk"])
     committed = []
     for chunk in chunks:

@@ -30,6 +30,10 @@ def verify_task(store_url: str, repair: bool = False) -> dict[str, Any]:
             lines.append(f"- chunk {problem.chunk_index}: {problem.message}")
         for message in report.index_problems:
             lines.append(f"- sample index: {message}")
+        for message in report.metadata_problems:
+            lines.append(f"- metadata: {message}")
+        if report.metadata_repaired:
+            lines.append(f"Repair: rewrote {report.metadata_repaired} from the layout copy")
         if dropped:
             lines.append(f"Repair: commit records dropped for chunks {sorted(dropped)[:50]}")
             logger.warning("repair: dropped the commits of corrupt chunks %s", sorted(dropped))
@@ -43,7 +47,9 @@ def verify_task(store_url: str, repair: bool = False) -> dict[str, Any]:
             "verified": report.chunks_verified,
             "planned": report.chunks_planned,
             "missing": report.missing,
-            "problems": [p.message for p in report.problems] + report.index_problems,
+            "problems": [p.message for p in report.problems]
+            + report.index_problems
+            + report.metadata_problems,
             "bytes_read": report.bytes_read,
             "repaired": sorted(dropped),
         }

@@ -176,3 +176,29 @@ def test_a_100_mb_line_fails_at_once_with_flat_memory(tiny_llama: Path, tmp_path
     print(f"peak RSS: 100 MB line {peak_huge:.0f} MiB, tiny bad line {peak_small:.0f} MiB")
     # Flat: at most a few copies of the 8 MiB read window above the baseline, not the 100 MiB.
     assert peak_huge < peak_small + 48, f"peak {peak_huge:.0f} MiB vs {peak_small:.0f} MiB"
+
+
+def test_a_store_whose_group_metadata_is_damaged_is_named_and_repaired(tmp_path: Path) -> None:
+    """The group's zarr.json cut short: zarr cannot open the store at all. `hsx verify` names
+    the document (checked against the store's layout copy first), exit 1; `hsx verify
+    --repair` rewrites it from the copy (no model needed), exit 0."""
+    from hsx.extract import RunContext, extract_chunk
+    from hsx.store import ExtractionStore
+    from tests.unit.test_plan_store import StatesEngine, make_plan, meta
+
+    url = str(tmp_path / "store.zarr")
+    plan = make_plan([30, 30, 30, 30], work=32)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    for chunk in plan.chunks:
+        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    document = tmp_path / "store.zarr" / "zarr.json"
+    original = document.read_bytes()
+    document.write_bytes(original[: len(original) // 2])
+    found = hsx("verify", url)
+    assert found.returncode == 1, found.stdout + found.stderr
+    text = " ".join(found.stdout.split())
+    assert "metadata: zarr.json: stored and computed checksum do not match" in text, text
+    repaired = hsx("verify", url, "--repair")
+    text = " ".join(repaired.stdout.split())
+    assert repaired.returncode == 0 and "rewrote zarr.json from hsx-layout.json" in text, text
+    assert document.read_bytes() == original

@@ -224,6 +224,41 @@ def test_flipped_sample_index_is_found_and_rewritten_from_the_plan(store_url: st
     assert verify_store(ExtractionStore.open(store_url)).ok
 
 
+@pytest.mark.parametrize(
+    "document",
+    [
+        "zarr.json",
+        "input_ids/zarr.json",
+        "loss_mask/zarr.json",
+        "hidden_states/zarr.json",
+        "sample_starts/zarr.json",
+        "sample_lengths/zarr.json",
+    ],
+)
+def test_a_flipped_metadata_byte_is_found_and_rewritten_from_the_layout_copy(
+    store_url: str, document: str
+) -> None:
+    from hsx.layout_copy import metadata_problems, repair_metadata
+    from hsx.store import fs_and_root
+
+    plan = make_plan([30, 30, 30, 30], work=32)
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    for chunk in plan.chunks:
+        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    fs, root = fs_and_root(store_url)
+    assert metadata_problems(fs, root, store_url) == []
+    original = fs.cat_file(f"{root}/{document}")
+    # A digit of the shape, or of the first number found: zarr would read it silently.
+    at = next(i for i, c in enumerate(original) if chr(c).isdigit())
+    damaged = original[:at] + bytes([original[at] ^ 0x01]) + original[at + 1 :]
+    fs.pipe_file(f"{root}/{document}", damaged)
+    (problem,) = metadata_problems(fs, root, store_url)
+    assert problem.startswith(f"{document}: stored and computed checksum do not match"), problem
+    assert repair_metadata(fs, root, store_url) == [document]
+    assert fs.cat_file(f"{root}/{document}") == original
+    assert verify_store(ExtractionStore.open(store_url)).ok
+
+
 def test_other_plan_is_refused_with_a_diff(store_url: str) -> None:
     ExtractionStore.open_or_create(store_url, make_plan([10, 10], tag="a"), meta())
     with pytest.raises(StoreError, match=r"tag: stored 'a', this run 'b'"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -205,6 +206,7 @@ def test_a_failed_chunk_is_retried_from_the_ui_alone_and_both_attempts_are_kept(
     from hsx.pipeline import plan_and_create_store, resolve_settings
     from settings import HsxSettings, merge_partial
 
+    started = time.time()
     store = str(tmp_path / "retried.zarr")
     partial = {
         "store": store,
@@ -274,6 +276,20 @@ def test_a_failed_chunk_is_retried_from_the_ui_alone_and_both_attempts_are_kept(
     assert (
         f"run {run_id} attempt 1: failed" in text and f"run {run_id} attempt 2: completed" in text
     )
+
+    # Results are not persisted: what Prefect keeps regardless (a failed state's exception: the
+    # failed chunk's and the failed attempt's) lies in the server's Prefect home, nothing under
+    # ~/.prefect/storage; and no serializer warning in the logs (every failed chunk had one).
+    stored = [p for p in (stack.home / "storage").rglob("*") if p.is_file()]
+    assert len(stored) <= 3, stored
+    outside = Path.home() / ".prefect" / "storage"
+    assert not [p for p in outside.rglob("*") if p.is_file() and p.stat().st_mtime >= started]
+    logs = stack.call(
+        "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
+    ).json()
+    assert logs and not [
+        log["message"] for log in logs if re.search(r"pickl|serializ", log["message"], re.I)
+    ]
 
 
 def test_a_run_that_fails_before_its_store_exists_keeps_a_record_beside_it(

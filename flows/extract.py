@@ -64,7 +64,7 @@ class ExtractionInterruptedError(RuntimeError):
     # Parameters are validated by settings_from_parameters: a deployment run's partial settings
     # are merged over the deployment's first (Prefect would replace them wholesale).
     validate_parameters=False,
-    persist_result=False,  # the store is the result; nothing under ~/.prefect/storage
+    persist_result=False,  # the store is the result (Prefect keeps only failed states)
     # Threads start as tasks need them: the chunks in flight (sized from the plan) and the rest.
     task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHUNKS_IN_FLIGHT + 2),
 )

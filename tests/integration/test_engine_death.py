@@ -70,7 +70,11 @@ def test_sigkill_of_the_engine_core_mid_chunk_is_retried_and_completes(
         while time.monotonic() < deadline:
             done = list(commits.glob("chunk-*.json")) if commits.exists() else []
             cores = _engine_cores()
-            seen.update(f"{c.pid}:{c.name()}" for c in psutil.Process().children(recursive=True))
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    seen.add(f"{child.pid}:{child.name()}")
+                except psutil.Error:  # exited meanwhile (a compile or tokenizer helper)
+                    continue
             # Mid-chunk: a later chunk's prompts are queued at the engine. (Killed between
             # chunks, the next chunk finds the engine dead and rebuilds it before any work:
             # nothing fails, nothing to retry, and this test would see no retried chunk.)

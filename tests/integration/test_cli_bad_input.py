@@ -182,15 +182,10 @@ def test_a_store_whose_group_metadata_is_damaged_is_named_and_repaired(tmp_path:
     """The group's zarr.json cut short: zarr cannot open the store at all. `hsx verify` names
     the document (checked against the store's layout copy first), exit 1; `hsx verify
     --repair` rewrites it from the copy (no model needed), exit 0."""
-    from hsx.extract import RunContext, extract_chunk
-    from hsx.store import ExtractionStore
-    from tests.unit.test_plan_store import StatesEngine, make_plan, meta
+    from tests.unit.test_plan_store import committed_store
 
     url = str(tmp_path / "store.zarr")
-    plan = make_plan([30, 30, 30, 30], work=32)
-    store = ExtractionStore.open_or_create(url, plan, meta())
-    for chunk in plan.chunks:
-        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    committed_store(url)
     document = tmp_path / "store.zarr" / "zarr.json"
     original = document.read_bytes()
     document.write_bytes(original[: len(original) // 2])

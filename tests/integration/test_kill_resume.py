@@ -47,6 +47,16 @@ def extract_command(model: Path, dataset: Path, store: Path) -> list[str]:
     ]
 
 
+def run_extract(model: Path, dataset: Path, store: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        extract_command(model, dataset, store),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def test_sigkill_mid_run_then_resume(
     tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:
@@ -82,13 +92,7 @@ def test_sigkill_mid_run_then_resume(
     visible = set(reader.available_samples.tolist())
     assert visible == {i for c in done.values() for i in range(c.sample_start, c.sample_end)}
 
-    resumed = subprocess.run(
-        extract_command(tiny_llama, sample_dataset, store),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    resumed = run_extract(tiny_llama, sample_dataset, store)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     final = ExtractionStore.open(str(store))
     records = final.committed_chunks()
@@ -106,13 +110,7 @@ def test_sigkill_mid_run_then_resume(
     # the killed run's last batches were cut differently). Measured here, fp32 on CPU: 0.0,
     # bit-equal; the bound is the tolerance against HF used elsewhere in these tests.
     uninterrupted = tmp_path / "uninterrupted.zarr"
-    whole = subprocess.run(
-        extract_command(tiny_llama, sample_dataset, uninterrupted),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    whole = run_extract(tiny_llama, sample_dataset, uninterrupted)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
     difference = compare_stores(str(store), str(uninterrupted))
     print(f"killed+resumed vs uninterrupted: {difference}")

@@ -13,6 +13,7 @@ import torch
 from hsx.checksums import digest
 from hsx.errors import StoreError
 from hsx.extract import ChunkWriter, RunContext, chunk_samples, extract_chunk
+from hsx.layout_copy import METADATA_DOCUMENTS
 from hsx.plan import Plan, auto_work_chunk_tokens, cut_chunks
 from hsx.reader import HiddenStatesReader
 from hsx.store import ExtractionStore
@@ -149,6 +150,15 @@ def test_uncommitted_chunk_is_invisible_and_reported(store_url: str) -> None:
     assert [c.index for c in store.pending_chunks()] == [1, 2, 3]
 
 
+def committed_store(url: str) -> tuple[Plan, ExtractionStore]:
+    """Four samples in four work chunks, every chunk extracted and committed."""
+    plan = make_plan([30, 30, 30, 30], work=32)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    for chunk in plan.chunks:
+        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    return plan, store
+
+
 def extracted_store(tmp_path: Path) -> tuple[str, list[Path]]:
     """A local store with every chunk extracted; its URL and hidden-state objects in order."""
     url = str(tmp_path / "store")
@@ -176,10 +186,7 @@ def test_corrupt_commit_record_is_refused_by_resume_and_dropped_by_repair(
     from hsx.errors import CorruptRecordError
     from hsx.verify import repair_store
 
-    plan = make_plan([30, 30, 30, 30], work=32)
-    store = ExtractionStore.open_or_create(store_url, plan, meta())
-    for chunk in plan.chunks:
-        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    plan, store = committed_store(store_url)
     path = f"{store.root}/commits/chunk-000002.json"
     raw = store.fs.cat_file(path)
     broken = {
@@ -203,10 +210,7 @@ def test_corrupt_commit_record_is_refused_by_resume_and_dropped_by_repair(
 
 
 def test_flipped_sample_index_is_found_and_rewritten_from_the_plan(store_url: str) -> None:
-    plan = make_plan([30, 30, 30, 30], work=32)
-    store = ExtractionStore.open_or_create(store_url, plan, meta())
-    for chunk in plan.chunks:
-        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    plan, store = committed_store(store_url)
     assert store.sample_index_problems() == []
     path = f"{store.root}/sample_lengths/c.0"
     data = bytearray(store.fs.cat_file(path))
@@ -224,27 +228,14 @@ def test_flipped_sample_index_is_found_and_rewritten_from_the_plan(store_url: st
     assert verify_store(ExtractionStore.open(store_url)).ok
 
 
-@pytest.mark.parametrize(
-    "document",
-    [
-        "zarr.json",
-        "input_ids/zarr.json",
-        "loss_mask/zarr.json",
-        "hidden_states/zarr.json",
-        "sample_starts/zarr.json",
-        "sample_lengths/zarr.json",
-    ],
-)
+@pytest.mark.parametrize("document", METADATA_DOCUMENTS)
 def test_a_flipped_metadata_byte_is_found_and_rewritten_from_the_layout_copy(
     store_url: str, document: str
 ) -> None:
     from hsx.layout_copy import metadata_problems, repair_metadata
     from hsx.store import fs_and_root
 
-    plan = make_plan([30, 30, 30, 30], work=32)
-    store = ExtractionStore.open_or_create(store_url, plan, meta())
-    for chunk in plan.chunks:
-        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+    committed_store(store_url)
     fs, root = fs_and_root(store_url)
     assert metadata_problems(fs, root, store_url) == []
     original = fs.cat_file(f"{root}/{document}")

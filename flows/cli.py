@@ -6,6 +6,7 @@ hsx/ itself never imports prefect.
     hsx verify STORE_URL          exit 0 only when every planned chunk is committed and verifies
     hsx info STORE_URL            provenance, commits and runs of a store (the audit record)
     hsx preflight MODEL_DIR       checks that take seconds, before the long model load
+    hsx serve MODEL_DIR           vLLM's server with extraction on: load once, many runs use it
     hsx make-tiny-models DIR      build the tiny Llama and DeepSeek-V3 models
 """
 
@@ -31,6 +32,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flows.runs_cli import runs_app
+from flows.serve_cli import serve
 
 app = typer.Typer(
     add_completion=False,
@@ -40,6 +42,7 @@ app = typer.Typer(
 console = Console(stderr=False)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 app.add_typer(runs_app, name="runs")
+app.command()(serve)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -229,6 +232,10 @@ def extract(
     preflight: Annotated[
         bool | None, typer.Option("--preflight/--no-preflight", help="Run preflight checks first.")
     ] = None,
+    engine_url: Annotated[
+        str | None,
+        typer.Option(help="`hsx serve` URL(s), comma-separated: use them, load no model here."),
+    ] = None,
 ) -> None:
     """Extract hidden states of a dataset into a Zarr store (a Prefect flow run)."""
     settings = build_settings(
@@ -249,6 +256,7 @@ def extract(
             "layout.work_chunk_tokens": work_chunk_tokens,
             "run.retries": retries,
             "run.preflight": preflight,
+            "engine.url": engine_url,
         },
     )
     raise typer.Exit(run_extraction(settings))

@@ -9,10 +9,8 @@ whatever kills the CLI (the kernel's parent-death signal), and on a normal exit 
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,12 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # in the child, between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+from hsx.engine.platform import die_with_parent
 
 
 def _site_dir_of(package: str) -> str:
@@ -81,7 +74,7 @@ class TemporaryServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # the terminal's Ctrl-C goes to the CLI alone
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self._wait_ready(timeout_s)
 

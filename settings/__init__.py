@@ -10,6 +10,7 @@ from settings.models import (
     RunSettings,
     StoreSettings,
 )
+from settings.serve import ServerSettings, ServeSettings
 
 __all__ = [
     "CaptureSettings",
@@ -18,6 +19,8 @@ __all__ = [
     "HsxSettings",
     "PipelineSettings",
     "RunSettings",
+    "ServeSettings",
+    "ServerSettings",
     "StoreSettings",
     "merge_partial",
 ]

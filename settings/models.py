@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from settings.strict import StrictSection, unknown_environment, unknown_keys_message
 
@@ -105,6 +105,40 @@ class EngineSettings(StrictSection):
         "queued per chunk). Bounds host memory: a batch's hidden states are held until written. "
         "Raise it on GPUs (e.g. 65536).",
     )
+    url: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="URLs of running `hsx serve` servers (comma-separated in HSX_ENGINE__URL). "
+        "Empty = hsx builds the engine itself. Set: chunks are sent to these servers (each "
+        "chunk to one, the least loaded) and states come back through shared memory, so the "
+        "servers must run on this node; the model folder is still read here (config, "
+        "tokenizer) and must be the one they serve, as preflight checks.",
+    )
+    server_wait_s: float = Field(
+        120.0,
+        ge=0,
+        le=86_400,
+        description="How long a chunk waits for a server of engine.url to answer (down, "
+        "restarting, still loading) before it fails.",
+    )
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"engine.url: expected http://HOST:PORT of an `hsx serve` server, found {url!r}"
+                )
+        if len(set(value)) != len(value):
+            raise ValueError(f"engine.url: expected distinct servers, found {value}")
+        return [url.rstrip("/") for url in value]
 
 
 class CaptureSettings(StrictSection):
@@ -305,7 +339,8 @@ class HsxSettings(BaseSettings):
             if isinstance(info.annotation, type) and issubclass(info.annotation, StrictSection)
         }
         top = [name for name in cls.model_fields if name not in sections]
-        message = unknown_environment(os.environ, sections, top)
+        # HSX_SERVER__*: `hsx serve`'s own section (settings.serve), which may share the file.
+        message = unknown_environment(os.environ, sections, top, frozenset({"server"}))
         if message is not None:
             raise ValueError(message)
         return data

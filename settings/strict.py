@@ -71,11 +71,16 @@ NOT_SETTINGS = frozenset(
 
 
 def unknown_environment(
-    environ: Mapping[str, str], sections: Mapping[str, list[str]], top: list[str]
+    environ: Mapping[str, str],
+    sections: Mapping[str, list[str]],
+    top: list[str],
+    elsewhere: frozenset[str] = frozenset(),
 ) -> str | None:
     """A message naming each ``HSX_`` variable that sets nothing (pydantic-settings ignores
     those whose first part is no field), with the closest known variable; None when all are known.
-    ``sections``: section -> its fields; ``top``: the fields that are not sections."""
+    ``sections``: section -> its fields; ``top``: the fields that are not sections;
+    ``elsewhere``: the first parts that another entry point's settings read (one environment
+    file serves `hsx serve` and `hsx extract`), passed over here."""
     known = [f"HSX_{name.upper()}" for name in top] + [
         f"HSX_{section.upper()}__{field.upper()}"
         for section, fields in sections.items()
@@ -87,7 +92,7 @@ def unknown_environment(
         if not upper.startswith("HSX_") or upper in NOT_SETTINGS:
             continue
         head = upper.removeprefix("HSX_").split("__", 1)[0].lower()
-        if head in sections or head in top:
+        if head in sections or head in top or head in elsewhere:
             continue  # a section's own keys are checked by the section
         close = difflib.get_close_matches(upper, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(known)}"

@@ -1,5 +1,7 @@
 """Preflight tasks, the extraction flow's first steps: "signature validation" (every check that
-needs no engine, seconds) and "model-load probe" (the reduced model through the exact path).
+needs no engine, seconds) and "model-load probe" (the reduced model through the exact path), or
+with ``engine.url`` "server check" (each `hsx serve` server's identity against the run's, and
+one prompt's states through shared memory; the servers ran the probe when they started).
 A failed check stops the flow before the long model load; the log names the check and why."""
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def signature_validation_task(settings: HsxSettings) -> dict[str, Any]:
             settings.engine,
             settings.store,
             max_length=settings.data.max_length,
+            local_engine=not settings.engine.url,
         )
         report = _report(settings, results, "hsx-preflight-static")
         for result in results:
@@ -92,7 +95,28 @@ def model_load_probe_task(settings: HsxSettings) -> dict[str, Any]:
         return report.to_dict()
 
 
+@task(name="server-check", cache_policy=NO_CACHE, persist_result=False, retries=0)
+def server_check_task(settings: HsxSettings) -> dict[str, Any]:
+    with logged_failures("server check") as logger:
+        from hsx.pipeline import run_spec
+        from hsx.served import check_servers
+
+        result = check_servers(settings, run_spec(settings))
+        report = _report(settings, [result], "hsx-preflight-servers")
+        (logger.error if result.status == Status.FAIL else logger.info)(
+            "preflight servers: %s: %s %s",
+            result.status.value.upper(),
+            result.summary,
+            list(result.details),
+        )
+        _raise_on_failure(report, "server check")
+        return report.to_dict()
+
+
 def preflight_tasks(settings: HsxSettings) -> None:
     """Run both in order; each raises PreflightFailedError (fatal, not retried) on a failure."""
     signature_validation_task(settings)
-    model_load_probe_task(settings)
+    if settings.engine.url:
+        server_check_task(settings)
+    else:
+        model_load_probe_task(settings)

@@ -13,10 +13,19 @@ Results go to a *sink*: in-process, a callable registered under ``sink_id`` (no 
 processes); otherwise (engine core in its own process) the shared-memory result ring that hsx
 created in the spool directory (hsx.engine.result_ring), and a spool file per request when the
 ring is full.
+
+Under ``hsx serve`` (vLLM's own API server) each client names its own ring, its *channel*, in
+the request's ``kv_transfer_params`` (``{"hsx": {"channel", "granules", "key"}}``); the rows go
+there under the client's key, and the request's response carries the server's identity and a
+digest of the prompt the engine computed (``request_finished``). A client that went away costs
+its channel, never the server: every write to a channel is non-blocking and its failure drops
+that channel alone.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,12 +45,22 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+import contextlib
+
 from hsx import timings
 from hsx.engine.copier import DeviceToHostCopier, gather_rows_on_cpu, write_spool_file
 from hsx.engine.options import CONNECTOR_NAME
 from hsx.engine.platform import request_amx
 from hsx.engine.result_ring import RingWriter
+from hsx.engine.server_protocol import (
+    PARAMS_KEY,
+    SERVER_INSTANCE_ENV,
+    ChannelRequest,
+    prompt_digest,
+)
 from hsx.engine.vllm_compat import HIDDEN_STATE_LAYOUT, TOKENS_FIRST, hidden_state_cache_order
+
+logger = logging.getLogger(__name__)
 
 # vLLM imports this module in the engine core's own process too (engine.in_process=False):
 # ask Linux for AMX there before the model's first kernel runs.
@@ -71,6 +90,8 @@ class ExtractionJob:
     key: str
     block_ids: list[int]
     num_tokens: int
+    # Set for a request of an hsx server's client: where its rows go, and under which key.
+    channel: ChannelRequest | None = None
 
 
 @dataclass
@@ -126,14 +147,24 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         self._sink_id: str = str(extra.get("sink_id", ""))
         self._spool_dir: str = str(extra.get("spool_dir", ""))
         self._ring_granules = int(extra.get("ring_granules", 0))
+        # Under hsx serve: only requests that name a channel are extracted; any other (a plain
+        # completion, a health probe) runs as vLLM would run it.
+        self._serving = bool(extra.get("serving", False))
         self._group_id = _hidden_state_group_id(kv_cache_config)
         # Scheduler side: requests seen so far, by vLLM request id.
         self._tracked: dict[str, _TrackedRequest] = {}
+        # Scheduler side, under hsx serve: the client's channel of each request, by vLLM id.
+        self._channel_requests: dict[str, ChannelRequest] = {}
+        self._instance = os.environ.get(SERVER_INSTANCE_ENV, "")
         # Worker side.
         self._kv_cache: torch.Tensor | None = None  # [blocks, block_size, K, H] view
         self._copier: DeviceToHostCopier | None = None  # CUDA only
         self._ring: RingWriter | None = None  # engine in its own process: rows go here
         self._is_writer_rank = True
+        self._channels: dict[str, RingWriter] = {}  # channel folder -> its ring (hsx serve)
+        self._broken_channels: set[str] = set()
+        # vLLM request id -> (the client's ring, the client's key), until delivered
+        self._routes: dict[str, tuple[RingWriter, str]] = {}
 
     # ---- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -185,7 +216,16 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
             return
         if self._kv_cache is None:
             raise RuntimeError("hidden-state cache not registered before the first save")
-        index, row_starts = self._block_index(metadata.jobs)
+        jobs, rings = [], []
+        for job in metadata.jobs:
+            ring = self._ring_of(job)
+            if job.channel is not None and ring is None:
+                continue  # its client's channel cannot be opened: nowhere to deliver
+            jobs.append(job)
+            rings.append(ring)
+        if not jobs:
+            return
+        index, row_starts = self._block_index(jobs)
         _, block_size, layers, hidden = self._kv_cache.shape
         dtype = self._kv_cache.dtype
         if self._copier is not None:
@@ -193,24 +233,64 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
             # the result ring where it is pinned), deliver from the copier's thread; the engine
             # step never waits for the copy.
             destinations = None
-            if self._ring is not None and self._ring.pinned:
+            if any(ring is not None and ring.pinned for ring in rings):
                 destinations = [
-                    self._ring.allocate((job.num_tokens, layers, hidden), dtype)
-                    for job in metadata.jobs
+                    ring.allocate((job.num_tokens, layers, hidden), dtype)
+                    if ring is not None and ring.pinned
+                    else None
+                    for job, ring in zip(jobs, rings, strict=True)
                 ]
-            self._copier.submit(self._kv_cache, index, metadata.jobs, row_starts, destinations)
+            self._copier.submit(self._kv_cache, index, jobs, row_starts, destinations)
             return
-        if self._ring is None:
+        if all(ring is None for ring in rings):
             rows = gather_rows_on_cpu(self._kv_cache, index)
-            for job, start in zip(metadata.jobs, row_starts, strict=True):
+            for job, start in zip(jobs, row_starts, strict=True):
                 self._deliver(job.key, rows[start : start + job.num_tokens])
             return
-        # CPU, engine in its own process: each request's blocks straight into its ring place.
-        for job, start in zip(metadata.jobs, row_starts, strict=True):
+        # CPU, engine in another process: each request's blocks straight into its ring place.
+        for job, start, ring in zip(jobs, row_starts, rings, strict=True):
             blocks = index[start // block_size : (start + job.num_tokens - 1) // block_size + 1]
-            place = self._ring.allocate((blocks.numel(), block_size, layers, hidden), dtype)
+            shape = (blocks.numel(), block_size, layers, hidden)
+            place = ring.allocate(shape, dtype) if ring is not None else None
             rows = gather_rows_on_cpu(self._kv_cache, blocks, out=place)
             self._deliver(job.key, rows[: job.num_tokens])
+
+    def _ring_of(self, job: ExtractionJob) -> RingWriter | None:
+        """The ring a job's rows go to: its client's channel (hsx serve; routed by vLLM's
+        request id until delivered), else the ring of the hsx process that built this engine."""
+        if job.channel is None:
+            return self._ring
+        folder = job.channel.channel
+        ring = self._channels.get(folder)
+        if ring is None and folder not in self._broken_channels:
+            try:
+                # Non-blocking: a client that went away must never stall the server's step.
+                ring = RingWriter(folder, job.channel.granules, nonblocking=True)
+            except OSError as exc:
+                # Its rows cannot be delivered: the client's wait for them runs out and names
+                # the channel; other clients go on.
+                self._broken_channels.add(folder)
+                logger.error("hsx channel %s cannot be opened: %r", folder, exc)
+                return None
+            self._drop_dead_channels()
+            if self._copier is not None:
+                ring.pin()
+            self._channels[folder] = ring
+        if ring is not None:
+            self._routes[job.key] = (ring, job.channel.key)
+        return ring
+
+    def _drop_dead_channels(self) -> None:
+        """Forget channels whose client is gone (each kept its ring mapped here)."""
+        for folder, ring in list(self._channels.items()):
+            if not ring.reader_alive():
+                self._close_channel(folder)
+
+    def _close_channel(self, folder: str) -> None:
+        ring = self._channels.pop(folder, None)
+        if ring is not None:
+            with contextlib.suppress(OSError):
+                ring.close()
 
     def _block_index(self, jobs: list[ExtractionJob]) -> tuple[torch.Tensor, list[int]]:
         """The blocks of every request completing in this step, in token order, and where each
@@ -235,24 +315,37 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         return index, starts
 
     def _deliver(self, key: str, rows: torch.Tensor | BaseException) -> None:
+        route = self._routes.pop(key, None)
+        if route is not None:  # a client of hsx serve: its failure is its own
+            ring, reply_key = route
+            try:
+                self._announce(ring, reply_key, rows)
+            except OSError as exc:
+                logger.warning(
+                    "hsx channel %s: client gone (%r); channel dropped", ring.folder, exc
+                )
+                self._close_channel(ring.folder)
+            return
         with _SINKS_LOCK:
             sink = _SINKS.get(self._sink_id)
         if sink is not None:
             sink(key, rows)
             return
-        ring = self._ring
-        if ring is None:
+        if self._ring is None:
             raise RuntimeError(
                 f"request {key}: no in-process sink {self._sink_id!r} and no result ring "
                 f"(spool_dir {self._spool_dir!r}, ring_granules {self._ring_granules})"
             )
+        self._announce(self._ring, key, rows)
+
+    def _announce(self, ring: RingWriter, key: str, rows: torch.Tensor | BaseException) -> None:
         if isinstance(rows, BaseException):
             ring.announce_error(key, rows)
         elif ring.owns(rows):
             ring.announce_rows(key, rows)
         else:  # the ring was full when this request's rows were copied
             with timings.timed("spool_write", rows.nbytes):
-                path = write_spool_file(self._spool_dir, key, rows)
+                path = write_spool_file(ring.folder, key, rows)
             ring.announce_file(key, str(path))
 
     def shutdown(self) -> None:
@@ -262,6 +355,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+        for folder in list(self._channels):
+            self._close_channel(folder)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
@@ -275,7 +370,15 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        return None
+        # Called for every request the scheduler admits, before build_connector_meta: the only
+        # place the scheduler side sees the request's kv_transfer_params (hsx serve's channel).
+        params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY)
+        if params is None or request.request_id in self._channel_requests:
+            return
+        try:
+            self._channel_requests[request.request_id] = ChannelRequest.from_params(params)
+        except ValueError as exc:  # a malformed request: computed, not extracted; never fatal
+            logger.error("request %s: %s", request.request_id, exc)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HsxConnectorMetadata()
@@ -306,10 +409,18 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
             if tracked is None or tracked.emitted or req_id not in computed_before:
                 continue
             if computed_before[req_id] + scheduled >= tracked.prompt_len:
-                meta.jobs.append(
-                    ExtractionJob(tracked.key, list(tracked.block_ids), tracked.prompt_len)
-                )
+                channel = self._channel_requests.get(req_id)
                 tracked.emitted = True
+                if channel is None and self._serving:
+                    continue
+                meta.jobs.append(
+                    ExtractionJob(
+                        tracked.key,
+                        list(tracked.block_ids),
+                        tracked.prompt_len,
+                        channel,
+                    )
+                )
         return meta
 
     def request_finished(
@@ -317,7 +428,16 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         # Rows were copied in the step that completed the prompt: free the blocks now.
         self._tracked.pop(request.request_id, None)
-        return False, None
+        if self._channel_requests.pop(request.request_id, None) is None:
+            return False, None
+        # Back to the client in the response: which server computed it, and what it computed.
+        reply = {
+            "instance": self._instance,
+            "pid": os.getpid(),
+            "prompt_tokens": len(request.prompt_token_ids or []),
+            "prompt_digest": prompt_digest(request.prompt_token_ids or []),
+        }
+        return False, {PARAMS_KEY: reply}
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

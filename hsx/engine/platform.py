@@ -106,3 +106,15 @@ def cpu_thread_binding(tensor_parallel_size: int) -> str | None:
     per_rank = len(cpus) // tensor_parallel_size
     groups = [cpus[i * per_rank : (i + 1) * per_rank] for i in range(tensor_parallel_size)]
     return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Popen's ``preexec_fn`` (in the child, between fork and exec): the kernel kills the child
+    when its parent dies, whatever kills the parent (an OOM kill leaves no orphan behind)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -78,21 +78,38 @@ class _Mapping:
         self.base = np.frombuffer(self.mapped, dtype=np.uint8, offset=self.data_start)
 
 
+# A non-blocking writer (hsx serve's channel to one client) waits this long for room in a full
+# FIFO before it gives the channel up: a stalled client must not stall the server's steps.
+_FULL_FIFO_WAIT_S = 2.0
+
+
 def _send(fd: int, message: dict[str, Any]) -> None:
     line = (json.dumps(message, separators=(",", ":")) + "\n").encode()
     if len(line) > _MAX_MESSAGE:  # only an error's text can be long: shorten it, keep it atomic
         message = dict(message, error=str(message.get("error", ""))[: _MAX_MESSAGE // 2] + "...")
         line = (json.dumps(message, separators=(",", ":")) + "\n").encode()
-    os.write(fd, line)
+    deadline = time.monotonic() + _FULL_FIFO_WAIT_S
+    while True:
+        try:
+            os.write(fd, line)  # below PIPE_BUF: all or nothing
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
 
 
 class RingWriter:
     """The engine process's side: allocate rows in the ring, announce what arrived."""
 
-    def __init__(self, spool_dir: str, granules: int) -> None:
+    def __init__(self, spool_dir: str, granules: int, nonblocking: bool = False) -> None:
+        self.folder = spool_dir
         self._map = _Mapping(Path(spool_dir) / RING_FILE, granules)
         # The reader holds the FIFO open for reading and writing, so this open does not wait.
-        self._ready = os.open(Path(spool_dir) / READY_FIFO, os.O_WRONLY)
+        # Non-blocking (a server's channel to a client): an open without a reader fails (ENXIO)
+        # instead of waiting, and a full FIFO fails a write after _FULL_FIFO_WAIT_S.
+        flags = os.O_WRONLY | (os.O_NONBLOCK if nonblocking else 0)
+        self._ready = os.open(Path(spool_dir) / READY_FIFO, flags)
         self._cursor = 0
         self._lock = threading.Lock()
         self._allocated: dict[int, int] = {}  # data address -> granules, until announced
@@ -186,6 +203,15 @@ class RingWriter:
         }
         _send(self._ready, {"timings": stages, "pid": os.getpid()})
 
+    def reader_alive(self) -> bool:
+        """Whether the reading process still holds the FIFO (a write to a FIFO nobody reads
+        fails with EPIPE; the reader skips pings)."""
+        try:
+            _send(self._ready, {"ping": 1})
+        except OSError:
+            return False
+        return True
+
     def announce_file(self, key: str, path: str) -> None:
         _send(self._ready, {"key": key, "file": path})
 
@@ -231,6 +257,8 @@ class RingReader:
             if not line:
                 continue
             message = json.loads(line)
+            if "ping" in message:  # a server checking that this reader is alive
+                continue
             if "timings" in message:  # the engine process's accumulators, as they stand
                 if message.get("pid") == os.getpid():
                     continue  # an engine in this process: its stages are already here

@@ -112,8 +112,12 @@ def static_checks(
     dataset_tokens: int | None = None,
     max_length: int | None = None,
     require_weights: bool | None = None,
+    local_engine: bool = True,
 ) -> tuple[list[CheckResult], dict[str, Any]]:
     """Every check that needs no engine. Returns (results, context for the probe).
+
+    ``local_engine`` False: the engine runs in `hsx serve` servers (engine.url), which own the
+    devices; the weights-per-device check is theirs (`hsx serve` runs these checks at start).
 
     ``require_weights``: a folder without weights fails (else it warns: the probe runs on dummy
     weights). None = required when checking for an extraction into a store (``store_url``
@@ -189,7 +193,7 @@ def static_checks(
         try:
             import torch
 
-            if torch.cuda.is_available():
+            if local_engine and torch.cuda.is_available():
                 device_memory = int(torch.cuda.get_device_properties(0).total_memory)
         except Exception:  # no CUDA runtime: memory unknown, said so by the check
             device_memory = None
@@ -242,15 +246,19 @@ def run_preflight(
         model_dir, capture, engine, store_url, dataset_tokens, max_length
     )
     if probe:
-        blocking = [
-            r
-            for r in results
-            if r.status == Status.FAIL and r.check in ("config", "resolve", "contract", "engine")
-        ]
-        if blocking:
-            results.append(
-                CheckResult("probe", Status.FAIL, f"not run: {blocking[0].check} failed")
-            )
-        else:
-            results.append(probe_check(context, engine))
+        results.append(probe_unless_blocked(results, context, engine))
     return PreflightReport(str(model_dir), results)
+
+
+def probe_unless_blocked(
+    results: list[CheckResult], context: dict[str, Any], engine: EngineSettings
+) -> CheckResult:
+    """The probe, unless a check it depends on failed (then a FAIL naming that check)."""
+    blocking = [
+        r
+        for r in results
+        if r.status == Status.FAIL and r.check in ("config", "resolve", "contract", "engine")
+    ]
+    if blocking:
+        return CheckResult("probe", Status.FAIL, f"not run: {blocking[0].check} failed")
+    return probe_check(context, engine)

@@ -1,0 +1,169 @@
+"""The servers of ``engine.url`` for one process: each work chunk goes whole to one of them.
+
+A chunk asks the pool for a server when it starts: the live one with the fewest prompt tokens
+outstanding, so disjoint chunks of one plan spread over the servers. A server whose requests
+fail (its process died, it restarted) is dropped; the chunk fails, and its retry asks the pool
+again and lands on a server that answers. Servers that are down are asked again at most every
+``RECHECK_S``; with none up, a chunk waits up to ``engine.server_wait_s`` for one. A server
+that serves something other than the run froze is refused (ServerMismatchError, fatal).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsx.engine.server_client import ServerEngine, ServerMismatchError
+from hsx.errors import ConfigError, EngineError
+
+logger = logging.getLogger(__name__)
+
+RECHECK_S = 2.0  # how often a server that is down is asked again
+
+
+@dataclass
+class PoolReport:
+    """What preflight found of each server."""
+
+    ready: dict[str, dict[str, Any]] = field(default_factory=dict)  # url -> its /hsx/info
+    mismatched: dict[str, list[str]] = field(default_factory=dict)  # url -> each difference
+    unreachable: dict[str, str] = field(default_factory=dict)  # url -> the last error
+
+
+class ServerPool:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        expected: dict[str, Any],
+        hidden_size: int,
+        ring_bytes: int,
+        wait_s: float,
+    ) -> None:
+        if not urls:
+            raise ConfigError("engine.url: expected at least one server URL, found none")
+        self.urls = tuple(urls)
+        self._expected = expected
+        self._hidden_size = hidden_size
+        self._ring_bytes = ring_bytes
+        self._wait_s = wait_s
+        self._clients: dict[str, ServerEngine] = {}
+        self._down_since: dict[str, float] = {}
+        self._last_error: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _connect(self, url: str) -> ServerEngine | None:
+        """A live client of ``url``, connecting when there is none; None while it is down.
+        ServerMismatchError for a server that serves something else."""
+        client = self._clients.get(url)
+        if client is not None and client.alive:
+            return client
+        if client is not None:
+            self._drop_locked(client)
+        if time.monotonic() - self._down_since.get(url, -1e9) < RECHECK_S:
+            return None
+        try:
+            # No wait on one server: the pool waits across all of them.
+            client = ServerEngine(url, self._expected, self._hidden_size, self._ring_bytes, 0.0)
+        except EngineError as exc:
+            self._down_since[url] = time.monotonic()
+            self._last_error[url] = str(exc)
+            return None
+        self._clients[url] = client
+        self._down_since.pop(url, None)
+        return client
+
+    def acquire(self) -> ServerEngine:
+        """The server for the next chunk. ServerMismatchError (fatal) for a server that serves
+        something else; EngineError when none answers within ``engine.server_wait_s``."""
+        deadline = time.monotonic() + self._wait_s
+        while True:
+            with self._lock:
+                live = [c for c in (self._connect(url) for url in self.urls) if c is not None]
+                if live:
+                    return min(live, key=lambda c: c.outstanding_tokens)
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"engine.url: expected one of {len(self.urls)} servers to answer within "
+                    f"{self._wait_s:g} s (engine.server_wait_s), found none: "
+                    + "; ".join(f"{u}: {self._last_error.get(u, 'down')}" for u in self.urls)
+                )
+            time.sleep(0.5)
+
+    def check(self, wait_s: float) -> PoolReport:
+        """Connect to every server (waiting up to ``wait_s`` for at least one to answer, and
+        for the others as long as that took): each one's identity and a handshake."""
+        report = PoolReport()
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                for url in self.urls:
+                    if url in report.ready or url in report.mismatched:
+                        continue
+                    try:
+                        client = self._connect(url)
+                    except ServerMismatchError as exc:
+                        report.mismatched[url] = exc.problems
+                        continue
+                    if client is not None:
+                        report.ready[url] = client.info
+                        report.unreachable.pop(url, None)
+                    else:
+                        report.unreachable[url] = self._last_error.get(url, "down")
+            if report.ready or report.mismatched or time.monotonic() >= deadline:
+                return report
+            time.sleep(0.5)
+
+    def drop(self, client: ServerEngine) -> None:
+        """Forget a client whose server failed it; the next acquire connects anew."""
+        with self._lock:
+            self._drop_locked(client)
+
+    def _drop_locked(self, client: ServerEngine) -> None:
+        if self._clients.get(client.url) is client:
+            del self._clients[client.url]
+        self._down_since[client.url] = time.monotonic()
+        self._last_error[client.url] = f"dropped after a failure: {client.failure!r}"
+        client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for client in list(self._clients.values()):
+                client.close()
+            self._clients.clear()
+
+
+_POOLS: dict[str, ServerPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def get_server_pool(
+    urls: Sequence[str],
+    expected: dict[str, Any],
+    hidden_size: int,
+    ring_bytes: int,
+    wait_s: float,
+) -> ServerPool:
+    """The process's pool for these servers and this identity (kept across chunks and runs:
+    a long-lived worker keeps its channels)."""
+    key = repr((tuple(urls), sorted(expected.items()), hidden_size, wait_s))
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = ServerPool(urls, expected, hidden_size, ring_bytes, wait_s)
+            _POOLS[key] = pool
+        return pool
+
+
+@atexit.register
+def close_all_pools() -> None:
+    """Close every channel (their folders in /dev/shm go with them)."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.close()

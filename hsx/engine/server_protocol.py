@@ -1,0 +1,135 @@
+"""What an hsx client and an `hsx serve` server (vLLM's own API server) agree on.
+
+A client sends each prompt as an OpenAI completion of token ids with ``kv_transfer_params``
+``{"hsx": {"channel": <its ring folder>, "granules": <ring size>, "key": <its key>}}``; hsx's
+connector in the server's engine puts the rows in that ring under that key, and answers in the
+response's ``kv_transfer_params`` with the server's instance and a digest of the prompt it
+computed. ``GET /hsx/info`` (an ASGI middleware vLLM loads with ``--middleware``) describes what
+the server serves: the model's config hash and weights, the layer ids, the dtype, the host.
+Imports neither vLLM nor starlette at module level: the connector imports it in the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+PARAMS_KEY = "hsx"
+INFO_PATH = "/hsx/info"
+# Set by `hsx serve` for the vLLM server it starts (its engine process inherits them).
+SERVER_INSTANCE_ENV = "HSX_SERVER_INSTANCE"
+SERVER_INFO_ENV = "HSX_SERVER_INFO"
+MIDDLEWARE = "hsx.engine.server_protocol.info_middleware"
+# A client's channel folder: created by the client under one of these, with this prefix. The
+# server opens nothing else (a request names the folder it writes into).
+CHANNEL_PREFIX = "hsx-channel-"
+
+
+def channel_parents() -> tuple[str, ...]:
+    """Where channel folders may live: /dev/shm (memory) and the temporary folder (no shm)."""
+    return tuple({"/dev/shm", os.path.realpath(tempfile.gettempdir())})
+
+
+# What a client compares with its own plan before any work, and what each value is called.
+IDENTITY_FIELDS = {
+    "model_config_hash": "model config hash",
+    "weights_fingerprint": "weights",
+    "layer_ids": "layer ids (vLLM numbering)",
+    "engine_dtype": "engine dtype",
+}
+
+
+@dataclass(frozen=True)
+class ChannelRequest:
+    """Where one request's rows go: a client's ring folder, its size, and the client's key."""
+
+    channel: str
+    granules: int
+    key: str
+
+    @classmethod
+    def from_params(cls, params: Any) -> ChannelRequest:
+        if not isinstance(params, dict):
+            raise ValueError(f"kv_transfer_params.hsx: expected an object, found {params!r}")
+        try:
+            request = cls(str(params["channel"]), int(params["granules"]), str(params["key"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                "kv_transfer_params.hsx: expected channel, granules and key, found "
+                f"{sorted(params)}: {exc!r}"
+            ) from exc
+        folder = Path(request.channel)
+        if (
+            not folder.is_absolute()
+            or not folder.name.startswith(CHANNEL_PREFIX)
+            or os.path.realpath(folder.parent) not in channel_parents()
+        ):
+            raise ValueError(
+                f"kv_transfer_params.hsx.channel: expected a folder {CHANNEL_PREFIX}* in one of "
+                f"{list(channel_parents())}, found {request.channel!r}"
+            )
+        return request
+
+    def to_params(self) -> dict[str, Any]:
+        return {PARAMS_KEY: {"channel": self.channel, "granules": self.granules, "key": self.key}}
+
+
+def prompt_digest(token_ids: Sequence[int] | np.ndarray) -> str:
+    """xxh3-64 of the prompt as little-endian int32: the engine's and the plan's must agree."""
+    return str(xxhash.xxh3_64_hexdigest(np.asarray(token_ids, dtype="<i4").tobytes()))
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def identity_problems(served: dict[str, Any], expected: dict[str, Any], url: str) -> list[str]:
+    """Each difference between what a server serves and what the run needs, naming both."""
+    problems = []
+    for field, label in IDENTITY_FIELDS.items():
+        if served.get(field) != expected.get(field):
+            problems.append(
+                f"{label}: the run expects {expected.get(field)!r}, server {url} serves "
+                f"{served.get(field)!r}"
+            )
+    needed = int(expected.get("max_model_len") or 0)
+    if int(served.get("max_model_len") or 0) < needed:
+        problems.append(
+            f"max_model_len: the run needs {needed} (its longest sample + 1), server {url} "
+            f"takes {served.get('max_model_len')}"
+        )
+    if served.get("host") != this_host():
+        problems.append(
+            f"host: states come back through shared memory, so the server must run on this "
+            f"node ({this_host()}); server {url} runs on {served.get('host')!r}"
+        )
+    return problems
+
+
+def _served_info() -> bytes:
+    """The document `hsx serve` keeps beside the server (read per request: it is rewritten once
+    the server is ready, with the load time)."""
+    path = os.environ.get(SERVER_INFO_ENV)
+    if not path:
+        return (
+            b'{"error": "' + SERVER_INFO_ENV.encode() + b' is not set: not started by hsx serve"}'
+        )
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+async def info_middleware(request: Any, call_next: Any) -> Any:
+    """vLLM ``--middleware``: answers ``GET /hsx/info``, passes everything else on."""
+    if request.url.path == INFO_PATH:
+        from starlette.responses import Response
+
+        return Response(_served_info(), media_type="application/json")
+    return await call_next(request)

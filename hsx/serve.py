@@ -34,7 +34,13 @@ import httpx
 
 from hsx.engine.options import engine_kwargs, resolve_dtype
 from hsx.engine.platform import cpu_thread_binding, die_with_parent, exit_description
-from hsx.engine.server_protocol import MIDDLEWARE, SERVER_INFO_ENV, SERVER_INSTANCE_ENV, this_host
+from hsx.engine.server_protocol import (
+    MIDDLEWARE,
+    SERVER_INFO_ENV,
+    SERVER_INSTANCE_ENV,
+    shm_folder,
+    this_host,
+)
 from hsx.errors import ConfigError, EngineError
 from hsx.frozen import weights_fingerprint
 from hsx.planning import code_version, config_hash, vllm_version
@@ -296,7 +302,16 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
     server = settings.server
     check_port_free(server.host, server.port)
     instance = uuid.uuid4().hex
-    info = {**plan.info, "instance": instance, "supervisor_pid": os.getpid()}
+    # A marker in this node's shared memory: a client that finds it shares the /dev/shm its
+    # states come back through (a hostname says less: containers, IPC namespaces).
+    marker = Path(shm_folder()) / f"hsx-serve-{instance}"
+    marker.touch()
+    info = {
+        **plan.info,
+        "instance": instance,
+        "supervisor_pid": os.getpid(),
+        "shm_marker": str(marker),
+    }
     state_dir = server.resolved_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True)
     info_path = state_dir / f"server-{server.port}.json"
@@ -358,6 +373,7 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         info_path.unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
 
 
 def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:

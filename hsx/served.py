@@ -10,12 +10,11 @@ this process.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from hsx.engine.options import result_ring_bytes
+from hsx.engine.server_protocol import shm_folder
 from hsx.errors import ConfigError, EngineError
 from hsx.extract import RunContext, engine_queue_limit, extract_chunk
 from hsx.frozen import weights_fingerprint
@@ -52,12 +51,11 @@ def server_pool(settings: HsxSettings, spec: RunSpec) -> ServerPool:
     """This process's pool of ``engine.url``'s servers for this run's identity."""
     from hsx.engine.server_pool import get_server_pool
 
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return get_server_pool(
         settings.engine.url,
         server_expectation(settings, spec),
         int(text_config(spec.config)["hidden_size"]),
-        result_ring_bytes(settings.engine, shm),
+        result_ring_bytes(settings.engine, shm_folder()),
         settings.engine.server_wait_s,
     )
 
@@ -95,6 +93,8 @@ def extract_on_a_server(
         if not server.alive:
             pool.drop(server)  # the retry goes to a server that answers
         raise
+    finally:
+        pool.release(server)
 
 
 def check_servers(settings: HsxSettings, spec: RunSpec) -> CheckResult:

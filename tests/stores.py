@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -38,3 +39,23 @@ def compare_stores(url_a: str, url_b: str) -> StoreDifference:
         worst = max(worst, float(diff))
         tokens += int(left.input_ids.shape[0])
     return StoreDifference(len(a.available_samples), tokens, worst)
+
+
+def max_difference_from_hf(model_dir: Path, url: str) -> tuple[int, float]:
+    """Every sample of the store against HF transformers' fp32 states of its token ids:
+    (samples compared, the largest |store - HF| over every captured layer and token)."""
+    import torch
+
+    from hsx.engine.hf_reference import hf_hidden_states, load_hf_model
+
+    reader = HiddenStatesReader(url)
+    hf = load_hf_model(model_dir)
+    worst, compared = 0.0, 0
+    for index in reader.available_samples.tolist():
+        sample = reader.sample(index)
+        (reference,) = hf_hidden_states(hf, [sample.input_ids.numpy()], reader.layer_ids)
+        assert sample.hidden_states.shape == reference.shape, f"sample {index}: shape"
+        assert sample.hidden_states.dtype == torch.float32
+        worst = max(worst, float((sample.hidden_states - reference).abs().max()))
+        compared += 1
+    return compared, worst

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -376,9 +376,15 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         if params is None or request.request_id in self._channel_requests:
             return
         try:
-            self._channel_requests[request.request_id] = ChannelRequest.from_params(params)
+            channel = ChannelRequest.from_params(params)
         except ValueError as exc:  # a malformed request: computed, not extracted; never fatal
             logger.error("request %s: %s", request.request_id, exc)
+            return
+        # The prompts of one completion share its parameters: each prompt's rows go under the
+        # client's batch key and the digest of the prompt this engine runs, which the client
+        # matches with the prompts it sent (vLLM's request ids are not the client's to parse).
+        digest = prompt_digest(request.prompt_token_ids or [])
+        self._channel_requests[request.request_id] = replace(channel, key=f"{channel.key}:{digest}")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HsxConnectorMetadata()

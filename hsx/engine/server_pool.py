@@ -78,14 +78,19 @@ class ServerPool:
         return client
 
     def acquire(self) -> ServerEngine:
-        """The server for the next chunk. ServerMismatchError (fatal) for a server that serves
-        something else; EngineError when none answers within ``engine.server_wait_s``."""
+        """The server for the next chunk (the one with the fewest chunks, then the fewest
+        tokens outstanding); the caller releases it. ServerMismatchError (fatal) for a server
+        that serves something else; EngineError when none answers within
+        ``engine.server_wait_s``."""
         deadline = time.monotonic() + self._wait_s
         while True:
             with self._lock:
                 live = [c for c in (self._connect(url) for url in self.urls) if c is not None]
                 if live:
-                    return min(live, key=lambda c: c.outstanding_tokens)
+                    # Chunks first: chunks that start together have queued nothing yet.
+                    chosen = min(live, key=lambda c: (c.chunks, c.outstanding_tokens))
+                    chosen.chunks += 1
+                    return chosen
             if time.monotonic() >= deadline:
                 raise EngineError(
                     f"engine.url: expected one of {len(self.urls)} servers to answer within "
@@ -109,6 +114,9 @@ class ServerPool:
                     except ServerMismatchError as exc:
                         report.mismatched[url] = exc.problems
                         continue
+                    except ConfigError as exc:  # not an `hsx serve` server at all
+                        report.mismatched[url] = [str(exc)]
+                        continue
                     if client is not None:
                         report.ready[url] = client.info
                         report.unreachable.pop(url, None)
@@ -117,6 +125,11 @@ class ServerPool:
             if report.ready or report.mismatched or time.monotonic() >= deadline:
                 return report
             time.sleep(0.5)
+
+    def release(self, client: ServerEngine) -> None:
+        """A chunk acquired from ``client`` is over (committed or failed)."""
+        with self._lock:
+            client.chunks -= 1
 
     def drop(self, client: ServerEngine) -> None:
         """Forget a client whose server failed it; the next acquire connects anew."""

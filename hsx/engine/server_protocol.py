@@ -33,6 +33,11 @@ MIDDLEWARE = "hsx.engine.server_protocol.info_middleware"
 CHANNEL_PREFIX = "hsx-channel-"
 
 
+def shm_folder() -> str:
+    """Where channels (and the servers' markers) live: /dev/shm, else the temporary folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 def channel_parents() -> tuple[str, ...]:
     """Where channel folders may live: /dev/shm (memory) and the temporary folder (no shm)."""
     return tuple({"/dev/shm", os.path.realpath(tempfile.gettempdir())})
@@ -106,10 +111,13 @@ def identity_problems(served: dict[str, Any], expected: dict[str, Any], url: str
             f"max_model_len: the run needs {needed} (its longest sample + 1), server {url} "
             f"takes {served.get('max_model_len')}"
         )
-    if served.get("host") != this_host():
+    marker = str(served.get("shm_marker") or "")
+    if not marker or not os.path.exists(marker):
         problems.append(
-            f"host: states come back through shared memory, so the server must run on this "
-            f"node ({this_host()}); server {url} runs on {served.get('host')!r}"
+            f"shared memory: states come back through this node's {shm_folder()}, expected "
+            f"server {url}'s marker {marker or '(none given)'} there, found none (the server "
+            f"runs on {served.get('host')!r}, this is {this_host()!r}: run hsx beside its "
+            "servers, on the same node and in the same IPC namespace)"
         )
     return problems
 

@@ -31,14 +31,24 @@ def test_deployment_entrypoints_and_parameters_are_valid() -> None:
         # Partial run parameters reach the flow, which merges and validates them itself.
         assert deployment["enforce_parameter_schema"] is False
         assert deployment["work_pool"]["name"] == "hsx-gpu"
-    assert names == {"extract": "hsx-extract", "preflight": "hsx-preflight", "verify": "hsx-verify"}
-    (extract,) = [d for d in spec["deployments"] if d["name"] == "extract"]
-    rendered = yaml.safe_load(
-        yaml.safe_dump(extract["parameters"]["settings"]).replace("{{ $HSX_REPO }}", str(ROOT))
-    )
-    settings = HsxSettings.model_validate(rendered)
-    assert settings.model == ROOT / "models" / "tiny-llama"
-    assert settings.dataset == (ROOT / "data" / "sample_conversations.jsonl")
+    assert names == {
+        "extract": "hsx-extract",
+        "extract-served": "hsx-extract",
+        "preflight": "hsx-preflight",
+        "verify": "hsx-verify",
+    }
+    for name in ("extract", "extract-served"):
+        (extract,) = [d for d in spec["deployments"] if d["name"] == name]
+        rendered = yaml.safe_load(
+            yaml.safe_dump(extract["parameters"]["settings"]).replace("{{ $HSX_REPO }}", str(ROOT))
+        )
+        settings = HsxSettings.model_validate(rendered)
+        assert settings.model == ROOT / "models" / "tiny-llama"
+        assert settings.dataset == (ROOT / "data" / "sample_conversations.jsonl")
+        # The served deployment sends its chunks to `hsx serve`'s default address.
+        assert settings.engine.url == (
+            ["http://127.0.0.1:8100"] if name == "extract-served" else []
+        )
     (verify,) = [d for d in spec["deployments"] if d["name"] == "verify"]
     assert verify["schedules"][0]["cron"] == "0 3 * * *"
 

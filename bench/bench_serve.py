@@ -1,0 +1,327 @@
+"""Extraction through `hsx serve` (issue 13) against in-process extraction and against plain
+prefill through the same server, measured in one run (machines are noisy).
+
+Three sides, each loaded once and kept loaded, timed in lockstep rounds (one pass of each per
+round, the order rotating); the figures are the medians of the rounds' ratios:
+- served: hsx's extraction of every work chunk into a fresh store, the chunks sent to an
+  `hsx serve` server (engine.url) as the flow sends them (its concurrency), without Prefect;
+- served-plain: the same token ids as completions to the same server with no extraction (no
+  kv_transfer_params: the connector leaves them alone), one request per batch of
+  engine.batch_tokens as hsx sends them, with as many tokens in flight;
+- inproc: hsx's extraction with the engine in the extracting process (engine.url unset), in a
+  process of its own, into a fresh store.
+
+    .venv/bin/python bench/bench_serve.py [--rounds 5] [--conversations 400]   (CPU, tiny Llama)
+    python3 bench/bench_serve.py --gpu  (the lent H200: the Llama-3.1-8B shape, dummy bf16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+from bench_extract import Child, serve  # noqa: E402 (after the path)
+
+
+def bench_engine(gpu: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Engine and data settings of both engines (server and in-process)."""
+    if gpu:
+        engine = {
+            "dtype": "bfloat16",
+            "max_model_len": 4096,
+            "kv_cache_memory_gib": 24,  # two engines share the GPU: the server's and inproc's
+            "max_num_batched_tokens": 16384,
+            "batch_tokens": 65536,
+            "load_format": "dummy",
+        }
+        return engine, {"max_length": 4095}
+    return {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_gib": 0.5}, {
+        "max_length": 2047
+    }
+
+
+def bench_settings(spec: dict[str, Any], store: str, url: str | None) -> Any:
+    from settings import HsxSettings
+
+    engine = dict(spec["engine"])
+    if url is not None:
+        engine["url"] = [url]
+    else:
+        engine["in_process"] = True
+    return HsxSettings(
+        model=Path(spec["model"]),
+        dataset=Path(spec["dataset"]),
+        store=store,
+        engine=engine,
+        data=spec["data"],
+        layout={"min_work_chunk_tokens": 4096},
+        run={"preflight": False},
+    )
+
+
+def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[[], dict[str, float]]:
+    """hsx's extraction of every work chunk into a fresh store (planning excluded, engine
+    loaded or server connected before the timer starts)."""
+    from hsx.extract import RunContext
+    from hsx.pipeline import chunk_concurrency, extract_work_chunk, plan_and_create_store, run_spec
+
+    passes = 0
+    scratch = Path(spec["scratch"])
+
+    def warm_up(settings: Any) -> None:
+        if url is None:
+            import numpy as np
+
+            from hsx.engine.vllm_engine import get_engine
+
+            engine = get_engine(settings.model, settings.engine, run_spec(settings).layer_ids)
+            engine.extract([np.asarray([1, 2, 3])])
+        else:
+            from hsx.served import check_servers
+
+            result = check_servers(settings, run_spec(settings))
+            if result.status.value == "fail":
+                raise RuntimeError(f"server check: {result.summary}")
+
+    def one_pass() -> dict[str, float]:
+        nonlocal passes
+        settings = bench_settings(
+            spec, str(scratch / f"{'served' if url else 'inproc'}-{passes}"), url
+        )
+        passes += 1
+        summary = plan_and_create_store(settings)
+        warm_up(settings)
+        started = time.perf_counter()
+        concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            records = list(
+                pool.map(
+                    extract_work_chunk,
+                    [settings] * len(summary.pending),
+                    summary.pending,
+                    [RunContext("bench")] * len(summary.pending),
+                )
+            )
+        seconds = time.perf_counter() - started
+        tokens = sum(r.tokens for r in records if r)
+        shutil.rmtree(settings.store, ignore_errors=True)
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    return one_pass
+
+
+def plain_runner(spec: dict[str, Any], url: str) -> Callable[[], dict[str, float]]:
+    """The same token ids through the same server, without extraction, batched and queued as
+    hsx batches and queues them."""
+    import httpx
+    from bench_gpu import tokenized
+
+    from hsx.extract import batches
+    from hsx.served import served_queue_limit
+
+    settings = bench_settings(spec, "memory://unused", url)
+    samples = tokenized(settings)
+    batch_tokens = settings.engine.batch_tokens
+    in_flight = max(1, served_queue_limit(settings) // batch_tokens)
+    name = Path(spec["model"]).name
+    groups = [[s.input_ids.tolist() for s in batch] for batch in batches(samples, batch_tokens)]
+    tokens = sum(s.num_tokens for s in samples)
+
+    async def run() -> float:
+        limit = asyncio.Semaphore(in_flight)
+        async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+
+            async def send(prompts: list[list[int]]) -> None:
+                async with limit:
+                    body = {"model": name, "prompt": prompts, "max_tokens": 1, "temperature": 0.0}
+                    response = await client.post("/v1/completions", json=body)
+                    response.raise_for_status()
+
+            await send([[1, 2, 3]])  # warm-up
+            started = time.perf_counter()
+            await asyncio.gather(*(send(group) for group in groups))
+            return time.perf_counter() - started
+
+    def one_pass() -> dict[str, float]:
+        seconds = asyncio.run(run())
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    return one_pass
+
+
+class Server:
+    """`hsx serve` with the bench's engine settings, in a process of its own."""
+
+    def __init__(self, spec: dict[str, Any], log: Path) -> None:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
+        engine = spec["engine"]
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {
+            **os.environ,
+            "HSX_SERVER__STATE_DIR": str(Path(spec["scratch"]) / "serve-state"),
+            "HSX_ENGINE__MAX_NUM_BATCHED_TOKENS": str(engine.get("max_num_batched_tokens", 8192)),
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "serve",
+            spec["model"],
+            "--port",
+            str(self.port),
+        ]
+        command += ["--dtype", engine["dtype"], "--max-model-len", str(engine["max_model_len"])]
+        command += ["--kv-cache-gib", str(engine["kv_cache_memory_gib"]), "--no-probe"]
+        if "load_format" in engine:
+            command += ["--load-format", engine["load_format"]]
+        self.log = log
+        with log.open("ab") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+            )
+        deadline = time.monotonic() + 900
+        while "hsx serve: ready at" not in log.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"hsx serve did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=120)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def lockstep(sides: dict[str, Callable[[], dict[str, float]]], rounds: int) -> list[dict[str, Any]]:
+    names = list(sides)
+    results = []
+    for number in range(rounds):
+        order = names[number % len(names) :] + names[: number % len(names)]
+        found: dict[str, Any] = {}
+        for name in order:
+            time.sleep(1.0)  # each pass starts on a quiet machine
+            found[name] = sides[name]()
+        results.append(found)
+        print(
+            f"  round {number}: "
+            + ", ".join(f"{n} {found[n]['tokens_per_s']:,.0f} tok/s" for n in names)
+            + f" -> served/served-plain {found['served']['tokens_per_s'] / found['served-plain']['tokens_per_s']:.3f}, "
+            f"served/inproc {found['served']['tokens_per_s'] / found['inproc']['tokens_per_s']:.3f}",
+            flush=True,
+        )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--child", nargs=2, help="internal: inproc SPEC_JSON")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--conversations", type=int, default=400)
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b"))
+    args = parser.parse_args()
+    if args.child:
+        spec = json.loads(Path(args.child[1]).read_text())
+        serve(extraction_runner(spec, None))
+        return
+
+    from hsx.sample_data import write_jsonl
+
+    scratch = Path(
+        tempfile.mkdtemp(prefix="hsx-bench-serve-", dir="/dev/shm" if args.gpu else None)
+    )
+    server: Server | None = None
+    inproc: Child | None = None
+    try:
+        if args.gpu:
+            from bench_gpu import prepare
+
+            args.tiny, args.model_dir = False, None
+            prepare(args, scratch)
+            model = args.model_dir
+        else:
+            from hsx.tiny_models import ensure_tiny_models
+
+            model = str(ensure_tiny_models(ROOT / "models")["tiny-llama"])
+        engine, data = bench_engine(args.gpu)
+        spec = {"model": model, "engine": engine, "data": data, "scratch": str(scratch)}
+        datasets = {
+            "chat-length conversations": write_jsonl(
+                scratch / "chat.jsonl", args.conversations, seed=7, chat_lengths=True
+            )
+        }
+        if not args.gpu:  # short ones: where per-request costs weigh most
+            datasets["short conversations (bundled x10)"] = write_jsonl(
+                scratch / "short.jsonl", 3000, seed=0
+            )
+        server = Server(spec, scratch / "serve.log")
+        print(f"model {Path(model).name}, engine {engine}; server {server.url}", flush=True)
+        for label, dataset in datasets.items():
+            spec["dataset"] = str(dataset)
+            spec_path = scratch / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            inproc = Child("inproc", str(spec_path), script=__file__)
+            sides = {
+                "served": extraction_runner(spec, server.url),
+                "served-plain": plain_runner(spec, server.url),
+                "inproc": inproc.one_pass,
+            }
+            results = lockstep(sides, args.rounds)
+            inproc.close()
+            inproc = None
+            tokens = int(results[0]["served"]["tokens"])
+            ratios = {
+                key: _median(
+                    [r["served"]["tokens_per_s"] / r[key]["tokens_per_s"] for r in results]
+                )
+                for key in ("served-plain", "inproc")
+            }
+            speeds = {n: _median([r[n]["tokens_per_s"] for r in results]) for n in sides}
+            print(
+                f"[{label}, {tokens:,} tokens a pass, median of {args.rounds} rounds] hsx through "
+                f"`hsx serve` / plain prefill through the same server: {ratios['served-plain']:.3f}; "
+                f"/ in-process hsx extraction: {ratios['inproc']:.3f} (tokens/s: served "
+                f"{speeds['served']:,.0f}, served-plain {speeds['served-plain']:,.0f}, inproc "
+                f"{speeds['inproc']:,.0f})",
+                flush=True,
+            )
+    finally:
+        if inproc is not None:
+            inproc.close()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

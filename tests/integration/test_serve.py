@@ -1,0 +1,373 @@
+"""`hsx serve` on the tiny Llama and the tiny DeepSeek-V3 (vLLM's CPU build), and extraction
+flows that use it (engine.url): the model loads once for many runs; states equal HF's in fp32;
+a server that serves something else is refused before any work; a server killed mid-chunk
+fails that chunk alone, which succeeds once the server is back; two servers (one of them
+TP=2) feed one run with no chunk lost or doubled, and when one dies its chunks go to the other.
+
+The servers are real `hsx serve` processes (the CLI, as a user or systemd starts it); the flows
+run under a real Prefect engine in this process, which builds no engine of its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx.store import ExtractionStore
+from tests.cli import hsx, said
+from tests.conftest import make_settings
+from tests.integration.test_flow import flow_logs
+from tests.servers import READY, TEST_ENGINE, ServeProcess, free_port
+from tests.stores import max_difference_from_hf
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+HF_BOUND = 1e-4  # fp32: vLLM's CPU kernels against HF transformers
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve-logs")
+
+
+@pytest.fixture(scope="module")
+def llama_server(tiny_llama: Path, logs: Path) -> Iterator[ServeProcess]:
+    # With the probe: the reduced model runs through the exact path before the load.
+    server = ServeProcess(tiny_llama, logs, *TEST_ENGINE, name="llama").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_tp2_server(tiny_llama: Path, logs: Path) -> Iterator[ServeProcess]:
+    server = ServeProcess(
+        tiny_llama,
+        logs,
+        *TEST_ENGINE,
+        "--tensor-parallel-size",
+        "2",
+        "--no-probe",
+        name="llama-tp2",
+    )
+    yield server  # started by the tests that use it (and restarted after a kill)
+    server.stop()
+
+
+def _settings(model: Path, dataset: Path, url: str, servers: list[str], **sections: Any) -> Any:
+    engine = {"url": servers, **sections.pop("engine", {})}
+    data = {"max_samples": 60, **sections.pop("data", {})}
+    layout = {"min_work_chunk_tokens": 1024, **sections.pop("layout", {})}
+    return make_settings(model, dataset, url, engine=engine, data=data, layout=layout, **sections)
+
+
+def _served_by(url: str) -> dict[int, dict[str, Any]]:
+    """Each committed chunk's server (URL, instance), from its commit record."""
+    commits = ExtractionStore.open(url).committed_chunks()
+    return {index: dict((record.extra or {})["engine_server"]) for index, record in commits.items()}
+
+
+def _no_engine_in_this_process() -> None:
+    from hsx.engine import vllm_engine
+
+    assert not vllm_engine._ENGINES, "a run against a server built an engine of its own"
+
+
+def test_serve_refuses_in_seconds_before_the_load(tiny_llama: Path, tmp_path: Path) -> None:
+    """Bad settings and a taken port fail before vLLM starts, naming what was expected."""
+    started = time.monotonic()
+    bad_ids = hsx("serve", str(tiny_llama), "--layer-ids", "2,40", "--port", str(free_port()))
+    assert bad_ids.returncode == 1, said(bad_ids)
+    assert "0..8" in said(bad_ids) and "the model was not loaded" in said(bad_ids)
+    assert READY not in said(bad_ids)
+
+    with_url = hsx(
+        "serve", str(tiny_llama), env={"HSX_ENGINE__URL": "http://127.0.0.1:1", "COLUMNS": "200"}
+    )
+    assert with_url.returncode == 2 and "expected no engine.url" in said(with_url)
+
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = hsx("serve", str(tiny_llama), "--port", str(port), "--no-probe")
+    assert busy.returncode == 2 and f"127.0.0.1:{port} free, found it in use" in said(busy)
+    assert time.monotonic() - started < 120  # no model load in any of them
+
+
+def test_two_runs_load_the_model_once_and_match_hf(
+    prefect_harness: None,
+    llama_server: ServeProcess,
+    tiny_llama: Path,
+    sample_dataset: Path,
+    tmp_path: Path,
+) -> None:
+    from flows.extract import extract_flow
+    from hsx.engine.vllm_engine import close_all_engines
+
+    close_all_engines()  # engines of earlier tests in this process
+    info = llama_server.info()
+    assert info["served_by"] == "hsx serve" and info["layer_ids"] == [2, 4, 5, 8]
+    assert info["engine_dtype"] == "float32" and info["load_seconds"] > 0
+    tokens_before = llama_server.metric("vllm:prompt_tokens_total")
+    stores = [str(tmp_path / "first.zarr"), str(tmp_path / "second.zarr")]
+    summaries = [
+        extract_flow(_settings(tiny_llama, sample_dataset, url, [llama_server.url]))
+        for url in stores
+    ]
+    for summary in summaries:
+        assert summary["verified"] and summary["chunks_failed"] == []
+        assert summary["chunks_extracted_now"] == summary["chunks"] >= 3
+    _no_engine_in_this_process()
+    # One load: one instance computed every chunk of both runs; the server's log has one
+    # start and (after the probe's reduced model) vLLM's one weight load; its counters saw
+    # every token of both runs.
+    for url in stores:
+        assert {s["instance"] for s in _served_by(url).values()} == {info["instance"]}
+    log = llama_server.log()
+    served_part = log.split("hsx serve: loading", 1)[1]
+    assert log.count(READY) == 1
+    assert served_part.count("Loading safetensors checkpoint shards: 100%") == 1
+    served = llama_server.metric("vllm:prompt_tokens_total") - tokens_before
+    assert served >= sum(s["tokens"] for s in summaries), (served, summaries)
+    compared, worst = max_difference_from_hf(tiny_llama, stores[0])
+    assert compared == 60 and worst < HF_BOUND, worst
+    print(f"two runs, one load (instance {info['instance']}); max |state - HF| {worst:.2e}")
+
+
+def test_deepseek_through_its_server_matches_hf(
+    prefect_harness: None, tiny_deepseek: Path, sample_dataset: Path, tmp_path: Path, logs: Path
+) -> None:
+    # SpecForge numbering 1,3,7 == vLLM ids 2,4,8 (id 8 = the final pre-norm state).
+    ids = ("--layer-ids", "1,3,7", "--layer-convention", "specforge")
+    server = ServeProcess(tiny_deepseek, logs, *TEST_ENGINE, *ids, "--no-probe", name="ds")
+    server.start()
+    try:
+        from flows.extract import extract_flow
+
+        assert server.info()["layer_ids"] == [2, 4, 8]
+        url = str(tmp_path / "deepseek.zarr")
+        settings = _settings(
+            tiny_deepseek,
+            sample_dataset,
+            url,
+            [server.url],
+            data={"max_samples": 24},
+            capture={"layer_ids": [1, 3, 7], "layer_convention": "specforge"},
+        )
+        summary = extract_flow(settings)
+        assert summary["verified"] and summary["chunks_failed"] == []
+        compared, worst = max_difference_from_hf(tiny_deepseek, url)
+        assert compared == 24 and worst < HF_BOUND, worst
+    finally:
+        assert server.stop() == 0  # SIGTERM: vLLM shuts its engine down, `hsx serve` exits 0
+    assert "stopping the server" in server.log()
+
+
+class _PlainServer(BaseHTTPRequestHandler):
+    """A server with /health but no /hsx/info: what plain `vllm serve` looks like."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+
+def test_a_server_that_serves_something_else_is_refused_before_any_work(
+    prefect_harness: None,
+    llama_server: ServeProcess,
+    tiny_llama: Path,
+    sample_dataset: Path,
+    tmp_path: Path,
+) -> None:
+    from flows.extract import extract_flow
+    from tasks.preflight import PreflightFailedError
+
+    url = tmp_path / "refused.zarr"
+    other = _settings(
+        tiny_llama,
+        sample_dataset,
+        str(url),
+        [llama_server.url],
+        capture={"layer_ids": [1, 3, 8]},
+        engine={"dtype": "bfloat16"},
+    )
+    with pytest.raises(PreflightFailedError) as refused:
+        extract_flow(other)
+    message = str(refused.value)
+    assert "server check failed" in message and "2 difference(s)" in message, message
+    assert "the run expects [1, 3, 8]" in message and "serves [2, 4, 5, 8]" in message, message
+    assert not url.exists()  # refused before planning: nothing written
+
+    plain = ThreadingHTTPServer(("127.0.0.1", 0), _PlainServer)
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    try:
+        settings = _settings(
+            tiny_llama,
+            sample_dataset,
+            str(url),
+            [f"http://127.0.0.1:{plain.server_address[1]}"],
+        )
+        with pytest.raises(PreflightFailedError, match=r"without /hsx/info \(plain `vllm serve`"):
+            extract_flow(settings)
+    finally:
+        plain.shutdown()
+    assert not url.exists()
+
+
+def _kill_mid_chunk(server: ServeProcess, store: str, after: int, restart: bool) -> dict[str, Any]:
+    """A thread that SIGKILLs ``server`` once ``after`` chunks are committed and this process
+    has prompts outstanding at it (mid-chunk), then (``restart``) starts it again on its port."""
+    info = server.info()  # read now: at the kill, nothing may stand between check and signal
+    killed: dict[str, Any] = {"instance": info["instance"]}
+
+    def kill() -> None:
+        commits = Path(store) / "commits"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            done = list(commits.glob("chunk-*.json")) if commits.exists() else []
+            if len(done) >= after and _busy(server):
+                killed["pid"] = server.kill_server(int(info["server_pid"]))
+                killed["after"] = len(done)
+                if restart:
+                    killed["restarted"] = server.start().info()["instance"]
+                return
+            time.sleep(0.005)
+
+    killed["thread"] = threading.Thread(target=kill, daemon=True)
+    killed["thread"].start()
+    return killed
+
+
+def _busy(server: ServeProcess) -> bool:
+    """Whether this process has prompts outstanding at ``server``."""
+    from hsx.engine import server_pool
+
+    clients = [p._clients.get(server.url) for p in list(server_pool._POOLS.values())]
+    return any(c is not None and c.outstanding_tokens > 0 for c in clients)
+
+
+def test_a_server_killed_mid_chunk_fails_that_chunk_alone_which_succeeds_once_it_is_back(
+    prefect_harness: None,
+    llama_tp2_server: ServeProcess,
+    tiny_llama: Path,
+    sample_dataset: Path,
+    tmp_path: Path,
+) -> None:
+    """TP=2 behind `hsx serve`: killed mid-chunk and restarted (as systemd does), the chunk's
+    retry waits for the server (engine.server_wait_s) and commits on the new instance."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from flows.extract import extract_flow
+
+    server = llama_tp2_server.ensure_up()
+    url = str(tmp_path / "killed.zarr")
+    settings = _settings(
+        tiny_llama,
+        sample_dataset,
+        url,
+        [server.url],
+        engine={"server_wait_s": 300},
+        data={"max_samples": 120},
+        run={"retries": 2, "preflight": False},
+        pipeline={"chunks_in_flight": 1},  # one chunk at a time: the kill hits exactly one
+    )
+    killed = _kill_mid_chunk(server, url, after=1, restart=True)
+    summary = extract_flow(settings)
+    killed["thread"].join(timeout=300)
+    assert killed.get("restarted"), "the server was never killed mid-chunk"
+    assert summary["verified"] and summary["chunks_failed"] == []
+    commits = ExtractionStore.open(url).committed_chunks()
+    assert sorted(commits) == list(range(summary["chunks"]))
+    retried = [index for index, record in commits.items() if record.attempt > 1]
+    assert len(retried) == 1, {i: r.attempt for i, r in commits.items()}
+    served = _served_by(url)
+    (chunk,) = retried
+    assert served[chunk]["instance"] == killed["restarted"] != killed["instance"]
+    before = [i for i in commits if i < chunk]
+    assert before and all(served[i]["instance"] == killed["instance"] for i in before)
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+    failures = [m for m in flow_logs(run.id) if f"work chunk {chunk} failed (transient" in m]
+    assert failures and server.url in failures[0], failures
+    assert server.log().count(READY) == 2  # the start and the restart: two loads, no more
+    compared, worst = max_difference_from_hf(tiny_llama, url)
+    assert compared == 120 and worst < HF_BOUND, worst
+    print(f"killed {killed}; chunk {chunk} retried: {failures[0][:300]}")
+
+
+def test_two_servers_feed_one_run_and_take_over_when_one_dies(
+    prefect_harness: None,
+    llama_server: ServeProcess,
+    llama_tp2_server: ServeProcess,
+    tiny_llama: Path,
+    sample_dataset: Path,
+    tmp_path: Path,
+) -> None:
+    from flows.extract import extract_flow
+
+    both = [llama_server.ensure_up().url, llama_tp2_server.ensure_up().url]
+    url = str(tmp_path / "two.zarr")
+    summary = extract_flow(
+        _settings(tiny_llama, sample_dataset, url, both, data={"max_samples": 300})
+    )
+    assert summary["verified"] and summary["chunks_failed"] == []
+    store = ExtractionStore.open(url)
+    commits = store.committed_chunks()
+    # Every planned chunk committed once, by its first attempt, on one of the two servers.
+    assert sorted(commits) == list(range(len(store.work_chunks))) and len(commits) >= 8
+    assert all(record.attempt == 1 for record in commits.values())
+    served = _served_by(url)
+    assert {s["url"] for s in served.values()} == set(both), served
+    compared, worst = max_difference_from_hf(tiny_llama, url)
+    assert compared == 300 and worst < HF_BOUND, worst
+
+    # The TP=2 server dies mid-run: its chunks fail and are retried on the other.
+    url = str(tmp_path / "one-dies.zarr")
+    killed = _kill_mid_chunk(llama_tp2_server, url, after=2, restart=False)
+    summary = extract_flow(
+        _settings(
+            tiny_llama,
+            sample_dataset,
+            url,
+            both,
+            data={"max_samples": 300},
+            # Several batches a chunk, in sequence: chunks are mid-way when the kill comes.
+            engine={"batch_tokens": 256},
+            layout={"min_work_chunk_tokens": 4096},
+        )
+    )
+    killed["thread"].join(timeout=60)
+    assert killed.get("pid"), "the TP=2 server was never killed mid-run"
+    assert summary["verified"] and summary["chunks_failed"] == []
+    commits = ExtractionStore.open(url).committed_chunks()
+    served = _served_by(url)
+    retried = [index for index, record in commits.items() if record.attempt > 1]
+    assert retried and all(served[i]["url"] == llama_server.url for i in retried), served
+    print(
+        f"two servers: {sum(s['url'] == both[0] for s in served.values())} chunks on "
+        f"{both[0]}, the rest on {both[1]}; after the kill, {retried} retried on {both[0]}"
+    )
+
+
+def test_serve_stops_cleanly_on_sigterm_and_says_so(llama_server: ServeProcess) -> None:
+    """Last in the module: systemd's stop is a SIGTERM; the engine's processes go with it."""
+    import psutil
+
+    server_pid = int(llama_server.info()["server_pid"])
+    family = [psutil.Process(server_pid), *psutil.Process(server_pid).children(recursive=True)]
+    assert llama_server.stop() == 0
+    assert "SIGTERM: stopping the server" in llama_server.log()
+    time.sleep(1)
+    alive = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes of the server left running: {alive}"
+    assert not any(Path(llama_server.state_dir).glob("server-*.json"))

@@ -1,0 +1,141 @@
+"""A real Prefect stack for tests, as a team runs it: infra/prefect-up.sh on a free 127.0.0.1
+port with a fresh database (SQLite, or Debian's PostgreSQL), the deployments of
+infra/prefect.yaml, a real process worker (infra/start-worker.sh), and the REST calls the UI
+makes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.servers import free_port
+
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+class Stack:
+    """The server, its worker, and the REST calls the UI makes."""
+
+    def __init__(self, home: Path, port: int, env: dict[str, str]) -> None:
+        self.home, self.port, self.env = home, port, env
+        self.api = f"http://127.0.0.1:{port}/api"
+        self.http = httpx.Client(base_url=self.api, timeout=30)
+
+    def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One REST call, retried on 503 as Prefect's own client (and so the worker) does: a
+        SQLite server answers 503 when a write meets another's lock (PostgreSQL for teams)."""
+        for _ in range(20):
+            response = self.http.request(method, path, **kwargs)
+            if response.status_code != 503:
+                break
+            time.sleep(0.5)
+        response.raise_for_status()
+        return response
+
+    def deployment_id(self, flow: str, name: str) -> str:
+        response = self.call("GET", f"/deployments/name/{flow}/{name}")
+        response.raise_for_status()
+        return str(response.json()["id"])
+
+    def run(self, flow: str, name: str, parameters: dict[str, Any]) -> str:
+        deployment = self.deployment_id(flow, name)
+        response = self.call(
+            "POST", f"/deployments/{deployment}/create_flow_run", json={"parameters": parameters}
+        )
+        return str(response.json()["id"])
+
+    def flow_run(self, run_id: str) -> dict[str, Any]:
+        response = self.call("GET", f"/flow_runs/{run_id}")
+        return dict(response.json())
+
+    def wait(self, run_id: str, timeout: float = 300) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.flow_run(run_id)
+            if run["state_type"] in TERMINAL:
+                return run
+            time.sleep(1)
+        raise AssertionError(f"flow run {run_id} not finished after {timeout} s: {run['state']}")
+
+    def retry_like_the_ui(self, run_id: str) -> None:
+        """What the UI's Retry button sends."""
+        response = self.call(
+            "POST",
+            f"/flow_runs/{run_id}/set_state",
+            json={
+                "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry"},
+                "force": True,
+            },
+        )
+        assert response.json()["status"] == "ACCEPT", response.json()
+
+    def task_runs(self, run_id: str) -> list[dict[str, Any]]:
+        response = self.call(
+            "POST",
+            "/task_runs/filter",
+            json={"flow_runs": {"id": {"any_": [run_id]}}, "limit": 200},
+        )
+        return list(response.json())
+
+
+@contextmanager
+def running_stack(database: str) -> Iterator[Stack]:
+    """The stack on a free port with a fresh database; stopped and removed after."""
+    if database == "postgres" and not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
+        pytest.skip("Debian's postgresql package is not installed (apt-get install postgresql)")
+    # Not under pytest's tmp_path: PostgreSQL runs as its own user, which must reach its folder.
+    home = Path(tempfile.mkdtemp(prefix=f"hsx-prefect-{database}-"))
+    home.chmod(0o755)
+    port = free_port()
+    env = {
+        **os.environ,
+        "HSX_PREFECT_HOME": str(home),
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",  # the worker polls every 2 s, not 10
+        "COLUMNS": "200",
+    }
+    options = ["--port", str(port)]
+    if database == "postgres":
+        options += ["--postgres", "--pg-port", str(free_port())]
+    up = subprocess.run(
+        ["bash", str(REPO_ROOT / "infra" / "prefect-up.sh"), *options],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        assert f"http://127.0.0.1:{port}" in up.stdout
+        log = (home / "worker.log").open("wb")
+        worker = subprocess.Popen(
+            ["bash", str(REPO_ROOT / "infra" / "start-worker.sh")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        yield Stack(home, port, env)
+    finally:
+        if worker is not None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+        subprocess.run(["bash", str(REPO_ROOT / "infra" / "prefect-down.sh")], env=env, timeout=120)
+        shutil.rmtree(home, ignore_errors=True)

@@ -1,0 +1,108 @@
+"""`hsx serve` as a user runs it, for tests: the real CLI in its own process on a free loopback
+port, its output in a log file, killed or stopped as a test needs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.cli import HSX
+from tests.conftest import REPO_ROOT
+
+READY = "hsx serve: ready at"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+# The engine settings of tests.conftest.make_settings: a server started with these serves what
+# those runs expect (fp32 for comparisons with HF, a small KV cache).
+TEST_ENGINE = ("--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "0.25")
+
+
+class ServeProcess:
+    """One `hsx serve MODEL` on a fixed port; restartable on that port (a new instance)."""
+
+    def __init__(self, model: Path, log_dir: Path, *options: str, name: str = "server") -> None:
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.options = options
+        self.log_path = log_dir / f"{name}-{self.port}.log"
+        self.state_dir = log_dir / f"{name}-state"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0  # how many times this test started it (each start loads the model)
+
+    def start(self, timeout: float = 300) -> ServeProcess:
+        env = {**os.environ, "COLUMNS": "200", "HSX_SERVER__STATE_DIR": str(self.state_dir)}
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [*HSX, "serve", str(self.model), "--port", str(self.port), *self.options],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env=env,
+            )
+        self.starts += 1
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.log().count(READY) >= self.starts:
+                return self
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"hsx serve exited ({self.process.returncode}) before it was ready:\n"
+                    + self.log()[-4000:]
+                )
+            time.sleep(0.5)
+        raise AssertionError(f"hsx serve not ready after {timeout} s:\n" + self.log()[-4000:])
+
+    def ensure_up(self) -> ServeProcess:
+        if self.process is None or self.process.poll() is not None:
+            return self.start()
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def info(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.url}/hsx/info", timeout=10).json())
+
+    def metric(self, name: str) -> float:
+        """A counter of vLLM's /metrics (summed over its labels)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        )
+
+    def kill_server(self, pid: int | None = None) -> int:
+        """SIGKILL vLLM's server and its engine (its process group: ``pid``, by default the one
+        /hsx/info names), as the kernel's OOM killer would; `hsx serve` then exits, as under
+        systemd, which restarts it. The killed pid."""
+        pid = int(self.info()["server_pid"]) if pid is None else pid
+        os.killpg(pid, signal.SIGKILL)
+        assert self.process is not None
+        self.process.wait(timeout=60)
+        return pid
+
+    def stop(self) -> int | None:
+        """SIGTERM, as systemd's stop: the exit code."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()

@@ -40,8 +40,10 @@ def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any
         record = extract_work_chunk(settings, chunk_index, context)
         if record is None:
             return {"chunk_index": chunk_index, "skipped": True, "tokens": 0, "seconds": 0.0}
+        server = (record.extra or {}).get("engine_server")
         logger.info(
-            "chunk %06d committed: samples %d..%d, %d tokens in %.2f s (%.0f tokens/s), attempt %d",
+            "chunk %06d committed: samples %d..%d, %d tokens in %.2f s (%.0f tokens/s), "
+            "attempt %d%s",
             chunk_index,
             record.sample_start,
             record.sample_end - 1,
@@ -49,6 +51,7 @@ def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any
             record.seconds,
             record.tokens / max(record.seconds, 1e-9),
             record.attempt,
+            f", on server {server['url']} (instance {server['instance']})" if server else "",
         )
         return {
             "chunk_index": chunk_index,

@@ -70,7 +70,16 @@ class Stack:
         raise AssertionError(f"flow run {run_id} not finished after {timeout} s: {run['state']}")
 
     def retry_like_the_ui(self, run_id: str) -> None:
-        """What the UI's Retry button sends."""
+        """What the UI's Retry button sends, once the worker has seen the failed attempt's
+        process exit, as a person reading the failure would. (Seen here: a Retry sent within
+        the second or two between the run's Failed state and its process's exit code 1 was
+        overwritten by the worker's late "Crashed" report of that exit.)"""
+        name = self.flow_run(run_id)["name"]
+        exited = f"Process for flow run '{name}' exited"
+        deadline = time.monotonic() + 60
+        while exited not in (self.home / "worker.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the worker never saw {name}'s process exit"
+            time.sleep(0.5)
         response = self.call(
             "POST",
             f"/flow_runs/{run_id}/set_state",
@@ -130,6 +139,12 @@ def running_stack(database: str) -> Iterator[Stack]:
             start_new_session=True,
         )
         yield Stack(home, port, env)
+    except BaseException:
+        # The flow runs' own output (a crashed run's traceback) is in the worker's log only.
+        worker_log = home / "worker.log"
+        if worker_log.exists():
+            print("worker log (tail):\n" + worker_log.read_text(errors="replace")[-8000:])
+        raise
     finally:
         if worker is not None:
             os.killpg(worker.pid, signal.SIGTERM)

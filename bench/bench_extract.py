@@ -196,9 +196,13 @@ class Child:
         )
 
     def one_pass(self) -> dict[str, float]:
+        return self.ask("pass")
+
+    def ask(self, line: str) -> dict[str, float]:
+        """One line to the child (a pass, or what its own loop takes); its JSON answer."""
         assert self._proc.stdin is not None
         time.sleep(1.0)  # each pass starts on a quiet machine: the other side's threads asleep
-        self._proc.stdin.write("pass\n")
+        self._proc.stdin.write(line + "\n")
         self._proc.stdin.flush()
         return self._read()
 

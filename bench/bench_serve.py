@@ -40,24 +40,24 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-from bench_extract import Child, serve  # noqa: E402 (after the path)
+from bench_extract import Child  # noqa: E402 (after the path)
 
 
-def bench_engine(gpu: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def bench_engine(gpu: bool, dtype: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Engine and data settings of both engines (server and in-process)."""
     if gpu:
         engine = {
             "dtype": "bfloat16",
             "max_model_len": 4096,
-            "kv_cache_memory_gib": 24,  # two engines share the GPU: the server's and inproc's
+            # Two engines share the GPU, the server's and inproc's: half of it each.
+            "kv_cache_memory_gib": 24,
+            "gpu_memory_utilization": 0.45,
             "max_num_batched_tokens": 16384,
             "batch_tokens": 65536,
             "load_format": "dummy",
         }
         return engine, {"max_length": 4095}
-    return {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_gib": 0.5}, {
-        "max_length": 2047
-    }
+    return {"dtype": dtype, "max_model_len": 2048, "kv_cache_memory_gib": 0.5}, {"max_length": 2047}
 
 
 def bench_settings(spec: dict[str, Any], store: str, url: str | None) -> Any:
@@ -79,9 +79,9 @@ def bench_settings(spec: dict[str, Any], store: str, url: str | None) -> Any:
     )
 
 
-def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[[], dict[str, float]]:
+def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[..., dict[str, float]]:
     """hsx's extraction of every work chunk into a fresh store (planning excluded, engine
-    loaded or server connected before the timer starts)."""
+    loaded or server connected before the timer starts); ``keep``: the store's URL, kept."""
     from hsx.extract import RunContext
     from hsx.pipeline import chunk_concurrency, extract_work_chunk, plan_and_create_store, run_spec
 
@@ -103,11 +103,10 @@ def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[[], dic
             if result.status.value == "fail":
                 raise RuntimeError(f"server check: {result.summary}")
 
-    def one_pass() -> dict[str, float]:
+    def one_pass(keep: str | None = None) -> dict[str, float]:
         nonlocal passes
-        settings = bench_settings(
-            spec, str(scratch / f"{'served' if url else 'inproc'}-{passes}"), url
-        )
+        store = keep or str(scratch / f"{'served' if url else 'inproc'}-{passes}")
+        settings = bench_settings(spec, store, url)
         passes += 1
         summary = plan_and_create_store(settings)
         warm_up(settings)
@@ -124,10 +123,44 @@ def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[[], dic
             )
         seconds = time.perf_counter() - started
         tokens = sum(r.tokens for r in records if r)
-        shutil.rmtree(settings.store, ignore_errors=True)
+        if keep is None:
+            shutil.rmtree(settings.store, ignore_errors=True)
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
     return one_pass
+
+
+def serve_child(one_pass: Callable[..., dict[str, float]]) -> None:
+    """The in-process side's loop: "pass" (a timed pass) or "keep URL" (a pass whose store is
+    kept, for the comparison of states), one JSON answer per line."""
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        if command[:1] == ["pass"]:
+            print(json.dumps(one_pass()), flush=True)
+        elif command[:1] == ["keep"]:
+            print(json.dumps(one_pass(keep=command[1])), flush=True)
+        else:
+            return
+
+
+def compare_served_and_inproc(spec: dict[str, Any], url: str, inproc: Child) -> str:
+    """One more pass of each side keeping its store: the served states against the in-process
+    engine's, sample by sample (the same engine settings and tokens)."""
+    from tests.stores import compare_stores
+
+    scratch = Path(spec["scratch"])
+    served, local = str(scratch / "keep-served"), str(scratch / "keep-inproc")
+    extraction_runner(spec, url)(keep=served)
+    inproc.ask(f"keep {local}")
+    difference = compare_stores(served, local)
+    shutil.rmtree(served, ignore_errors=True)
+    shutil.rmtree(local, ignore_errors=True)
+    return (
+        f"served states vs in-process states: {difference.samples} samples, "
+        f"{difference.tokens:,} tokens, the same token ids and masks; max |diff| "
+        f"{difference.max_abs_hidden:.3g}"
+    )
 
 
 def plain_runner(spec: dict[str, Any], url: str) -> Callable[[], dict[str, float]]:
@@ -198,6 +231,8 @@ class Server:
         command += ["--kv-cache-gib", str(engine["kv_cache_memory_gib"]), "--no-probe"]
         if "load_format" in engine:
             command += ["--load-format", engine["load_format"]]
+        if "gpu_memory_utilization" in engine:
+            env["HSX_ENGINE__GPU_MEMORY_UTILIZATION"] = str(engine["gpu_memory_utilization"])
         self.log = log
         with log.open("ab") as out:
             self.process = subprocess.Popen(
@@ -248,11 +283,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--conversations", type=int, default=400)
     parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", help="CPU: the tiny Llama's dtype")
     parser.add_argument("--config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b"))
     args = parser.parse_args()
     if args.child:
         spec = json.loads(Path(args.child[1]).read_text())
-        serve(extraction_runner(spec, None))
+        serve_child(extraction_runner(spec, None))
         return
 
     from hsx.sample_data import write_jsonl
@@ -273,7 +309,7 @@ def main() -> None:
             from hsx.tiny_models import ensure_tiny_models
 
             model = str(ensure_tiny_models(ROOT / "models")["tiny-llama"])
-        engine, data = bench_engine(args.gpu)
+        engine, data = bench_engine(args.gpu, args.dtype)
         spec = {"model": model, "engine": engine, "data": data, "scratch": str(scratch)}
         datasets = {
             "chat-length conversations": write_jsonl(
@@ -297,6 +333,7 @@ def main() -> None:
                 "inproc": inproc.one_pass,
             }
             results = lockstep(sides, args.rounds)
+            print("  " + compare_served_and_inproc(spec, server.url, inproc), flush=True)
             inproc.close()
             inproc = None
             tokens = int(results[0]["served"]["tokens"])

@@ -6,6 +6,8 @@ argument parser reads hsx's flags: a mistake surfaces in seconds, before the lon
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,8 +23,11 @@ def _drop_unset(values: dict[str, Any]) -> dict[str, Any]:
 
 def serve(
     model_dir: Annotated[
-        Path, typer.Argument(help="Model folder (config.json, tokenizer, safetensors).")
-    ],
+        Path | None,
+        typer.Argument(
+            help="Model folder (config.json, tokenizer, safetensors); default HSX_MODEL."
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8100).")] = None,
     layer_ids: Annotated[
@@ -47,6 +52,10 @@ def serve(
         bool | None,
         typer.Option("--probe/--no-probe", help="Run the reduced-model probe before the load."),
     ] = None,
+    vllm_args: Annotated[
+        str | None,
+        typer.Option(help="More vLLM server flags, e.g. '--gpu-memory-utilization 0.45'."),
+    ] = None,
 ) -> None:
     """Serve MODEL_DIR for extraction: vLLM's own server, loaded once for many runs."""
     from pydantic import ValidationError
@@ -54,9 +63,13 @@ def serve(
     from flows.cli import _fail, _layer_ids, settings_errors
     from settings import ServeSettings
 
+    # Without MODEL_DIR, HSX_MODEL names it (a systemd unit's or compose service's environment).
+    if model_dir is None and not os.environ.get("HSX_MODEL"):
+        _fail("hsx serve: expected MODEL_DIR or HSX_MODEL, found neither")
+    model = {} if model_dir is None else {"model": model_dir}
     try:
         settings = ServeSettings(
-            model=model_dir,
+            **model,
             engine=_drop_unset(
                 {
                     "dtype": dtype,
@@ -75,6 +88,7 @@ def serve(
                     "port": port,
                     "served_model_name": served_model_name,
                     "probe": probe,
+                    "vllm_args": None if vllm_args is None else shlex.split(vllm_args),
                 }
             ),
         )

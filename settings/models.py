@@ -93,6 +93,15 @@ class EngineSettings(StrictSection):
         "MLA models get CPU_MLA there; otherwise vLLM's own choice. A name (CPU_MLA, AMX_MLA, "
         "FLASH_ATTN, ...) forces that backend; preflight refuses a combination that cannot run.",
     )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of each GPU's memory the engine may take (vLLM's "
+        "gpu_memory_utilization). None = vLLM's default (0.9). Lower it to run several engines "
+        "on one GPU (two `hsx serve`, or a server beside a run's own engine): vLLM refuses to "
+        "start when less than this fraction of the GPU is free.",
+    )
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         "auto", description="'dummy' = random weights (the preflight probe)."
     )

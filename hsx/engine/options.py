@@ -205,6 +205,8 @@ def engine_kwargs(
             },
         },
     }
+    if engine.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
     kv_bytes = kv_cache_bytes(engine, config, dtype, len(layer_ids), max_model_len)
     if kv_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_bytes

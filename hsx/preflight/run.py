@@ -91,6 +91,7 @@ ENGINE_ARGUMENTS = (
     "kv_transfer_config",
     "attention_backend",
     "compilation_config",
+    "gpu_memory_utilization",
 )
 
 

@@ -57,7 +57,12 @@ def test_the_compose_file_names_the_team_services() -> None:
     """On paper (no Docker engine here): at least it parses and wires what the scripts do."""
     compose = yaml.safe_load((ROOT / "infra" / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"postgres", "server", "minio", "worker"}
+    assert set(services) == {"postgres", "server", "minio", "serve", "worker"}
+    # The worker and `hsx serve` share the host's network (127.0.0.1:8100) and /dev/shm.
+    for name in ("serve", "worker"):
+        assert services[name]["ipc"] == "host" and services[name]["network_mode"] == "host"
+    assert services["worker"]["depends_on"]["serve"]["condition"] == "service_healthy"
+    assert "hsx serve" in services["serve"]["command"]
     assert (
         "postgresql+asyncpg"
         in services["server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]

@@ -41,6 +41,7 @@ from hsx.engine.server_protocol import (
     shm_folder,
     this_host,
 )
+from hsx.engine.vllm_compat import serving_contract_problems
 from hsx.errors import ConfigError, EngineError
 from hsx.frozen import weights_fingerprint
 from hsx.planning import code_version, config_hash, vllm_version
@@ -234,7 +235,7 @@ def serve_preflight(settings: ServeSettings) -> tuple[PreflightReport, ServerPla
     if "config" in context and context.get("layer_ids"):
         try:
             plan = plan_server(settings, context["config"], context["layer_ids"])
-            problems = vllm_argument_problems(plan)
+            problems = vllm_argument_problems(plan) + serving_contract_problems()
         except ConfigError as exc:
             problems = [str(exc)]
         results.append(
@@ -243,7 +244,8 @@ def serve_preflight(settings: ServeSettings) -> tuple[PreflightReport, ServerPla
                 Status.FAIL if problems else Status.PASS,
                 problems[0]
                 if problems
-                else f"vLLM {vllm_version()}'s server parser reads every flag as hsx means it",
+                else f"vLLM {vllm_version()}'s server reads every flag as hsx means it and "
+                "passes kv_transfer_params both ways",
                 tuple(problems[1:])
                 or (
                     f"python {' '.join(server_entry())} " + " ".join(plan.arguments)

@@ -164,3 +164,52 @@ def request_output_problems() -> list[str]:
             f"engine ran, checked against the plan), found fields {sorted(fields)[:12]}"
         ]
     return []
+
+
+# Where vLLM defines the completion API's request and response (0.26 and 0.32 alike).
+COMPLETION_PROTOCOL_MODULES = ("vllm.entrypoints.openai.completion.protocol",)
+
+
+def serving_contract_problems(modules: tuple[str, ...] = COMPLETION_PROTOCOL_MODULES) -> list[str]:
+    """What `hsx serve` relies on of vLLM's server, one line each: a completion request takes
+    ``kv_transfer_params`` and hands them to the engine's request (the client's channel reaches
+    hsx's connector that way), and the response carries the connector's reply back (which
+    server instance computed the batch). Where this moved, every request would be computed and
+    none extracted, so `hsx serve`'s preflight names it before the load."""
+    import importlib
+    import inspect
+
+    protocol = None
+    for name in modules:
+        try:
+            protocol = importlib.import_module(name)
+            break
+        except ImportError:
+            continue
+    if protocol is None:
+        return [f"vLLM's completion API: expected one of {list(modules)}, found none"]
+    problems = []
+    for cls_name in ("CompletionRequest", "CompletionResponse"):
+        cls = getattr(protocol, cls_name, None)
+        fields = getattr(cls, "model_fields", {}) if cls is not None else {}
+        if "kv_transfer_params" not in fields:
+            problems.append(
+                f"{protocol.__name__}.{cls_name}: expected a kv_transfer_params field (how a "
+                f"client's channel reaches hsx's connector and its reply comes back), found "
+                f"{'no such class' if cls is None else sorted(fields)[:12]}"
+            )
+    request = getattr(protocol, "CompletionRequest", None)
+    to_params = getattr(request, "to_sampling_params", None)
+    if to_params is not None and "kv_transfer_params" not in inspect.getsource(to_params):
+        problems.append(
+            "CompletionRequest.to_sampling_params: expected it to pass kv_transfer_params to the "
+            "engine (extra_args), found another implementation"
+        )
+    from vllm.v1.request import Request
+
+    if "kv_transfer_params" not in inspect.getsource(Request.__init__):
+        problems.append(
+            "vllm.v1.request.Request: expected it to take kv_transfer_params from the sampling "
+            "parameters' extra_args, found another implementation"
+        )
+    return problems

@@ -86,3 +86,33 @@ def test_a_moved_engine_core_contract_is_named(monkeypatch: pytest.MonkeyPatch) 
     assert "expected an engine_dead flag" in problems[0] and "output_socket" in problems[0]
     assert "expected it to raise an exception found in outputs_queue" in problems[1]
     assert problems == connector_contract_problems(HsxHiddenStatesConnector)
+
+
+def test_the_servers_contracts_hold_in_the_installed_vllm_and_a_moved_one_is_named() -> None:
+    """`hsx serve` sends each client's channel through a completion's kv_transfer_params and
+    reads the connector's reply from the response: both ways checked without a server."""
+    from hsx.engine.vllm_compat import serving_contract_problems
+
+    assert serving_contract_problems() == []
+    (moved,) = serving_contract_problems(("vllm.entrypoints.nowhere.protocol",))
+    assert "expected one of ['vllm.entrypoints.nowhere.protocol'], found none" in moved
+    # A release whose request has no kv_transfer_params: named with the fields it has.
+    problems = serving_contract_problems(("tests.fixtures.moved_completion_protocol",))
+    assert len(problems) == 2 and "CompletionRequest: expected a kv_transfer_params" in problems[0]
+    assert "'model'" in problems[0] and "CompletionResponse" in problems[1]
+
+
+def test_vllm_serve_reads_hsx_flags_back_and_refuses_a_wrong_one(tiny_llama: object) -> None:
+    from pathlib import Path
+
+    from hsx.plan import read_config
+    from hsx.serve import plan_server, vllm_argument_problems
+    from settings import ServeSettings
+
+    settings = ServeSettings(model=Path(str(tiny_llama)), engine={"dtype": "float32"})
+    plan = plan_server(settings, read_config(settings.model), (2, 4, 5, 8))
+    assert vllm_argument_problems(plan) == []
+    assert "--no-enable-prefix-caching" in plan.arguments
+    odd = ServeSettings(model=Path(str(tiny_llama)), server={"vllm_args": ["--no-such-flag", "1"]})
+    (refused,) = vllm_argument_problems(plan_server(odd, read_config(odd.model), (2, 4, 5, 8)))
+    assert "unrecognized arguments: --no-such-flag 1" in refused

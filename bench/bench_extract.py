@@ -122,8 +122,7 @@ def hsx_runner(
     import numpy as np
 
     from hsx.engine.vllm_engine import get_engine
-    from hsx.extract import RunContext
-    from hsx.pipeline import chunk_concurrency, extract_work_chunk, plan_and_create_store, run_spec
+    from hsx.pipeline import plan_and_create_store, run_spec
 
     passes = 0
 
@@ -135,23 +134,31 @@ def hsx_runner(
         engine = get_engine(settings.model, settings.engine, run_spec(settings).layer_ids)
         engine.extract([np.asarray([1, 2, 3])])  # warm-up, as for plain
         started, cpu_started = time.perf_counter(), _cpu_seconds()
-        # As the flow runs them (as many at once), without Prefect's task cost.
-        concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            records = list(
-                pool.map(
-                    extract_work_chunk,
-                    [settings] * len(summary.pending),
-                    summary.pending,
-                    [RunContext("bench")] * len(summary.pending),
-                )
-            )
+        records = extract_every_chunk(settings, summary)
         result = _pass_result(sum(r.tokens for r in records if r), started, cpu_started)
         shutil.rmtree(settings.store, ignore_errors=True)
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return result
 
     return one_pass
+
+
+def extract_every_chunk(settings: Any, summary: Any) -> list[Any]:
+    """Every pending work chunk of a planned store, as the flow runs them (as many at once as
+    fill the engine's queue), without Prefect's task cost. The commit records."""
+    from hsx.extract import RunContext
+    from hsx.pipeline import chunk_concurrency, extract_work_chunk
+
+    concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(
+            pool.map(
+                extract_work_chunk,
+                [settings] * len(summary.pending),
+                summary.pending,
+                [RunContext("bench")] * len(summary.pending),
+            )
+        )
 
 
 def serve(one_pass: Callable[[], dict[str, float]]) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The multi-GPU docs: NVLink multicast stays off in every process hsx starts.
@@ -216,16 +217,11 @@ class Timeline:
 
 def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
     import numpy as np
+    from bench_extract import extract_every_chunk
 
     from hsx import timings
     from hsx.engine.vllm_engine import close_all_engines, get_engine
-    from hsx.extract import RunContext
-    from hsx.pipeline import (
-        chunk_concurrency,
-        extract_work_chunk,
-        plan_and_create_store,
-        run_spec,
-    )
+    from hsx.pipeline import plan_and_create_store, run_spec
     from hsx.store import ExtractionStore
     from hsx.verify import READERS, verify_store
 
@@ -265,17 +261,7 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
             with Timeline() as timeline:
                 summary = plan_and_create_store(settings)
                 plan_s = time.perf_counter() - pass_started
-                # As the flow runs them: as many chunks at once as fill the engine's queue.
-                concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
-                with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                    records = list(
-                        pool.map(
-                            extract_work_chunk,
-                            [settings] * len(summary.pending),
-                            summary.pending,
-                            [RunContext("bench")] * len(summary.pending),
-                        )
-                    )
+                records = extract_every_chunk(settings, summary)
                 seconds = time.perf_counter() - pass_started
             stages = {}
             for k, v in timings.snapshot().items():

@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-from bench_extract import Child  # noqa: E402 (after the path)
+from bench_extract import Child, extract_every_chunk  # noqa: E402 (after the path)
 
 
 def bench_engine(gpu: bool, dtype: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -82,8 +81,7 @@ def bench_settings(spec: dict[str, Any], store: str, url: str | None) -> Any:
 def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[..., dict[str, float]]:
     """hsx's extraction of every work chunk into a fresh store (planning excluded, engine
     loaded or server connected before the timer starts); ``keep``: the store's URL, kept."""
-    from hsx.extract import RunContext
-    from hsx.pipeline import chunk_concurrency, extract_work_chunk, plan_and_create_store, run_spec
+    from hsx.pipeline import plan_and_create_store, run_spec
 
     passes = 0
     scratch = Path(spec["scratch"])
@@ -111,16 +109,7 @@ def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[..., di
         summary = plan_and_create_store(settings)
         warm_up(settings)
         started = time.perf_counter()
-        concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            records = list(
-                pool.map(
-                    extract_work_chunk,
-                    [settings] * len(summary.pending),
-                    summary.pending,
-                    [RunContext("bench")] * len(summary.pending),
-                )
-            )
+        records = extract_every_chunk(settings, summary)
         seconds = time.perf_counter() - started
         tokens = sum(r.tokens for r in records if r)
         if keep is None:

@@ -7,14 +7,13 @@ Environment variables use the ``HSX_`` prefix and ``__`` between sections, e.g.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from settings.strict import StrictSection, unknown_environment, unknown_keys_message
+from settings.strict import StrictSection, refuse_unknown_keys
 
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 StoreDtype = Literal["auto", "float32", "bfloat16"]
@@ -338,21 +337,8 @@ class HsxSettings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _known_keys_only(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            message = unknown_keys_message("", data, list(cls.model_fields))
-            if message is not None:
-                raise ValueError(message)
-        sections = {
-            name: list(info.annotation.model_fields)
-            for name, info in cls.model_fields.items()
-            if isinstance(info.annotation, type) and issubclass(info.annotation, StrictSection)
-        }
-        top = [name for name in cls.model_fields if name not in sections]
         # HSX_SERVER__*: `hsx serve`'s own section (settings.serve), which may share the file.
-        message = unknown_environment(os.environ, sections, top, frozenset({"server"}))
-        if message is not None:
-            raise ValueError(message)
-        return data
+        return refuse_unknown_keys(cls, data, frozenset({"server"}))
 
     @model_validator(mode="after")
     def _samples_fit_the_engine(self) -> HsxSettings:

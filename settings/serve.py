@@ -7,7 +7,6 @@ Environment variables share the ``HSX_`` prefix with extraction: ``HSX_ENGINE__D
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from settings.models import CaptureSettings, EngineSettings
-from settings.strict import StrictSection, unknown_environment, unknown_keys_message
+from settings.strict import StrictSection, refuse_unknown_keys
 
 # vLLM server flags hsx sets itself (hsx.serve): an extra argument may not set them again, or
 # the server would capture something other than what /hsx/info says (prefix caching on skips
@@ -114,19 +113,7 @@ class ServeSettings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _known_keys_only(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            message = unknown_keys_message("", data, list(cls.model_fields))
-            if message is not None:
-                raise ValueError(message)
-        sections = {
-            "engine": list(EngineSettings.model_fields),
-            "capture": list(CaptureSettings.model_fields),
-            "server": list(ServerSettings.model_fields),
-        }
-        message = unknown_environment(os.environ, sections, ["model"], _EXTRACTION_ONLY)
-        if message is not None:
-            raise ValueError(message)
-        return data
+        return refuse_unknown_keys(cls, data, _EXTRACTION_ONLY)
 
     @model_validator(mode="after")
     def _not_a_client(self) -> ServeSettings:

@@ -98,3 +98,27 @@ def unknown_environment(
         hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(known)}"
         problems.append(f"unknown setting variable {name}: {hint}")
     return "; ".join(problems) or None
+
+
+def refuse_unknown_keys(
+    model: type[BaseModel], data: Any, elsewhere: frozenset[str] = frozenset()
+) -> Any:
+    """A settings model's check before validation: every key of ``data`` and every ``HSX_``
+    variable is one of its fields (or, ``elsewhere``, of another entry point's sections).
+    Raises ValueError naming each unknown one with the closest known; returns ``data``."""
+    import os
+
+    if isinstance(data, dict):
+        message = unknown_keys_message("", data, list(model.model_fields))
+        if message is not None:
+            raise ValueError(message)
+    sections = {
+        name: list(info.annotation.model_fields)
+        for name, info in model.model_fields.items()
+        if isinstance(info.annotation, type) and issubclass(info.annotation, StrictSection)
+    }
+    top = [name for name in model.model_fields if name not in sections]
+    message = unknown_environment(os.environ, sections, top, elsewhere)
+    if message is not None:
+        raise ValueError(message)
+    return data

@@ -38,6 +38,22 @@ def _raise_on_failure(report: PreflightReport, stage: str) -> None:
         )
 
 
+def _publish(
+    settings: HsxSettings, result: CheckResult, key: str, stage: str, logger: Any
+) -> dict[str, Any]:
+    """One check's artifact and log line; PreflightFailedError when it failed."""
+    report = _report(settings, [result], key)
+    (logger.error if result.status == Status.FAIL else logger.info)(
+        "preflight %s: %s: %s %s",
+        result.check,
+        result.status.value.upper(),
+        result.summary,
+        list(result.details),
+    )
+    _raise_on_failure(report, stage)
+    return report.to_dict()
+
+
 @task(name="signature-validation", cache_policy=NO_CACHE, retries=0, persist_result=False)
 def signature_validation_task(settings: HsxSettings) -> dict[str, Any]:
     with logged_failures("signature validation") as logger:
@@ -84,15 +100,7 @@ def model_load_probe_task(settings: HsxSettings) -> dict[str, Any]:
             )
         else:
             result = probe_check(context, settings.engine)
-        report = _report(settings, [result], "hsx-preflight-probe")
-        (logger.error if result.status == Status.FAIL else logger.info)(
-            "preflight probe: %s: %s %s",
-            result.status.value.upper(),
-            result.summary,
-            list(result.details),
-        )
-        _raise_on_failure(report, "model-load probe")
-        return report.to_dict()
+        return _publish(settings, result, "hsx-preflight-probe", "model-load probe", logger)
 
 
 @task(name="server-check", cache_policy=NO_CACHE, persist_result=False, retries=0)
@@ -102,15 +110,7 @@ def server_check_task(settings: HsxSettings) -> dict[str, Any]:
         from hsx.served import check_servers
 
         result = check_servers(settings, run_spec(settings))
-        report = _report(settings, [result], "hsx-preflight-servers")
-        (logger.error if result.status == Status.FAIL else logger.info)(
-            "preflight servers: %s: %s %s",
-            result.status.value.upper(),
-            result.summary,
-            list(result.details),
-        )
-        _raise_on_failure(report, "server check")
-        return report.to_dict()
+        return _publish(settings, result, "hsx-preflight-servers", "server check", logger)
 
 
 def preflight_tasks(settings: HsxSettings) -> None:

@@ -411,11 +411,14 @@ def info(
     console.print(
         f"{meta['num_samples']} samples, {meta['total_tokens']} tokens, {len(commits)}/{len(meta['work_chunks'])} chunks committed; code {meta['code_version']}"
     )
+    served = any((record.extra or {}).get("engine_server") for record in commits.values())
     table = Table(
         "chunk", "samples", "tokens", "skipped", "run", "run attempt", "chunk attempt",
-        "seconds", "finished",
+        "seconds", "finished", *(["server (instance)"] if served else []),
     )  # fmt: skip
     for record in commits.values():
+        server = (record.extra or {}).get("engine_server") or {}
+        where = [f"{server.get('url', '-')} ({str(server.get('instance', '-'))[:8]})"]
         table.add_row(
             str(record.chunk_index),
             f"{record.sample_start}..{record.sample_end - 1}",
@@ -426,6 +429,7 @@ def info(
             str(record.attempt),
             f"{record.seconds:.2f}",
             record.finished_at,
+            *(where if served else []),
         )
     console.print(table)
     skipped = [entry for record in commits.values() for entry in record.skipped_samples]

@@ -175,6 +175,8 @@ def chunk_rows(
                 "checksum": str((result or {}).get("checksum", "-"))[:16],
                 "attempts": attempts.get(index, (result or {}).get("attempt", "-")),
                 "seconds": round(float((result or {}).get("seconds", 0.0)), 2),
+                # engine.url runs: which `hsx serve` computed the chunk.
+                "server": (result or {}).get("server", "-"),
                 "error": errors.get(index, "")[:300],
             }
         )

@@ -63,4 +63,5 @@ def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any
             # The digest of the chunk's first hidden-state object: the UI's chunk table.
             "checksum": (record.checksums.get("hidden_states") or ["-"])[0],
             "samples_skipped": len(record.skipped_samples),
+            "server": server["url"] if server else "-",
         }

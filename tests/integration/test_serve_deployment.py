@@ -6,12 +6,14 @@ while the worker starts a fresh process for every flow run and builds no engine 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 
 from hsx.store import ExtractionStore
+from tests.cli import hsx
 from tests.conftest import REPO_ROOT
 from tests.prefect_stack import Stack, running_stack
 from tests.servers import READY, ServeProcess
@@ -105,6 +107,13 @@ def test_two_runs_and_a_ui_retry_share_one_model_load(tmp_path: Path) -> None:
                 assert "preflight servers: PASS" in logs, logs[-2000:]
                 assert f"on server {server.url} (instance {instance})" in logs, logs[-2000:]
                 assert "preflight probe" not in logs
+            # The audit: `hsx info` names the server (URL and instance) of every chunk.
+            shown = hsx("info", second_store, env=stack.env)
+            assert shown.returncode == 0 and "server (instance)" in shown.stdout, shown.stdout
+            listed = json.loads(hsx("info", second_store, "--json", env=stack.env).stdout)
+            assert [c["extra"]["engine_server"]["url"] for c in listed["commits"]] == [
+                server.url
+            ] * len(commits)
             print(f"the UI's Retry of the second run took {retry_seconds:.1f} s, no model load")
         finally:
             server.stop()

@@ -45,11 +45,15 @@ from bench_extract import Child, extract_every_chunk  # noqa: E402 (after the pa
 def bench_engine(gpu: bool, dtype: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Engine and data settings of both engines (server and in-process)."""
     if gpu:
+        import torch
+
+        total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         engine = {
             "dtype": "bfloat16",
             "max_model_len": 4096,
-            # Two engines share the GPU, the server's and inproc's: half of it each.
-            "kv_cache_memory_gib": 24,
+            # Two engines share the GPU, the server's and inproc's: under half of it each, the
+            # 8B's 15 GiB of weights and ~5 GiB of activations aside (H200: 24, H100: 15 GiB).
+            "kv_cache_memory_gib": min(24, int(total_gib * 0.45 - 20)),
             "gpu_memory_utilization": 0.45,
             "max_num_batched_tokens": 16384,
             "batch_tokens": 65536,
@@ -59,12 +63,12 @@ def bench_engine(gpu: bool, dtype: str) -> tuple[dict[str, Any], dict[str, Any]]
     return {"dtype": dtype, "max_model_len": 2048, "kv_cache_memory_gib": 0.5}, {"max_length": 2047}
 
 
-def bench_settings(spec: dict[str, Any], store: str, url: str | None) -> Any:
+def bench_settings(spec: dict[str, Any], store: str, urls: list[str] | None) -> Any:
     from settings import HsxSettings
 
     engine = dict(spec["engine"])
-    if url is not None:
-        engine["url"] = [url]
+    if urls is not None:
+        engine["url"] = urls
     else:
         engine["in_process"] = True
     return HsxSettings(
@@ -78,7 +82,9 @@ def bench_settings(spec: dict[str, Any], store: str, url: str | None) -> Any:
     )
 
 
-def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[..., dict[str, float]]:
+def extraction_runner(
+    spec: dict[str, Any], urls: list[str] | None
+) -> Callable[..., dict[str, float]]:
     """hsx's extraction of every work chunk into a fresh store (planning excluded, engine
     loaded or server connected before the timer starts); ``keep``: the store's URL, kept."""
     from hsx.pipeline import plan_and_create_store, run_spec
@@ -87,7 +93,7 @@ def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[..., di
     scratch = Path(spec["scratch"])
 
     def warm_up(settings: Any) -> None:
-        if url is None:
+        if urls is None:
             import numpy as np
 
             from hsx.engine.vllm_engine import get_engine
@@ -103,8 +109,8 @@ def extraction_runner(spec: dict[str, Any], url: str | None) -> Callable[..., di
 
     def one_pass(keep: str | None = None) -> dict[str, float]:
         nonlocal passes
-        store = keep or str(scratch / f"{'served' if url else 'inproc'}-{passes}")
-        settings = bench_settings(spec, store, url)
+        store = keep or str(scratch / f"{'served' if urls else 'inproc'}-{passes}")
+        settings = bench_settings(spec, store, urls)
         passes += 1
         summary = plan_and_create_store(settings)
         warm_up(settings)
@@ -133,14 +139,14 @@ def serve_child(one_pass: Callable[..., dict[str, float]]) -> None:
             return
 
 
-def compare_served_and_inproc(spec: dict[str, Any], url: str, inproc: Child) -> str:
+def compare_served_and_inproc(spec: dict[str, Any], urls: list[str], inproc: Child) -> str:
     """One more pass of each side keeping its store: the served states against the in-process
     engine's, sample by sample (the same engine settings and tokens)."""
     from tests.stores import compare_stores
 
     scratch = Path(spec["scratch"])
     served, local = str(scratch / "keep-served"), str(scratch / "keep-inproc")
-    extraction_runner(spec, url)(keep=served)
+    extraction_runner(spec, urls)(keep=served)
     inproc.ask(f"keep {local}")
     difference = compare_stores(served, local)
     shutil.rmtree(served, ignore_errors=True)
@@ -152,37 +158,41 @@ def compare_served_and_inproc(spec: dict[str, Any], url: str, inproc: Child) -> 
     )
 
 
-def plain_runner(spec: dict[str, Any], url: str) -> Callable[[], dict[str, float]]:
-    """The same token ids through the same server, without extraction, batched and queued as
-    hsx batches and queues them."""
+def plain_runner(spec: dict[str, Any], urls: list[str]) -> Callable[[], dict[str, float]]:
+    """The same token ids through the same servers, without extraction, batched and queued as
+    hsx batches and queues them (one engine queue's worth per server, batches dealt in turn)."""
     import httpx
     from bench_gpu import tokenized
 
     from hsx.extract import batches
     from hsx.served import served_queue_limit
 
-    settings = bench_settings(spec, "memory://unused", url)
+    settings = bench_settings(spec, "memory://unused", urls)
     samples = tokenized(settings)
     batch_tokens = settings.engine.batch_tokens
-    in_flight = max(1, served_queue_limit(settings) // batch_tokens)
+    in_flight = max(1, served_queue_limit(settings) // batch_tokens // len(urls))
     name = Path(spec["model"]).name
     groups = [[s.input_ids.tolist() for s in batch] for batch in batches(samples, batch_tokens)]
     tokens = sum(s.num_tokens for s in samples)
 
     async def run() -> float:
-        limit = asyncio.Semaphore(in_flight)
-        async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        limits = [asyncio.Semaphore(in_flight) for _ in urls]
+        clients = [httpx.AsyncClient(base_url=url, timeout=3600) for url in urls]
+        try:
 
-            async def send(prompts: list[list[int]]) -> None:
-                async with limit:
+            async def send(server: int, prompts: list[list[int]]) -> None:
+                async with limits[server]:
                     body = {"model": name, "prompt": prompts, "max_tokens": 1, "temperature": 0.0}
-                    response = await client.post("/v1/completions", json=body)
+                    response = await clients[server].post("/v1/completions", json=body)
                     response.raise_for_status()
 
-            await send([[1, 2, 3]])  # warm-up
+            await asyncio.gather(*(send(i, [[1, 2, 3]]) for i in range(len(urls))))  # warm-up
             started = time.perf_counter()
-            await asyncio.gather(*(send(group) for group in groups))
+            await asyncio.gather(*(send(i % len(urls), g) for i, g in enumerate(groups)))
             return time.perf_counter() - started
+        finally:
+            for client in clients:
+                await client.aclose()
 
     def one_pass() -> dict[str, float]:
         seconds = asyncio.run(run())
@@ -254,11 +264,15 @@ def lockstep(sides: dict[str, Callable[[], dict[str, float]]], rounds: int) -> l
             time.sleep(1.0)  # each pass starts on a quiet machine
             found[name] = sides[name]()
         results.append(found)
+        ratios = ", ".join(
+            f"served/{n} {found['served']['tokens_per_s'] / found[n]['tokens_per_s']:.3f}"
+            for n in names
+            if n != "served"
+        )
         print(
             f"  round {number}: "
             + ", ".join(f"{n} {found[n]['tokens_per_s']:,.0f} tok/s" for n in names)
-            + f" -> served/served-plain {found['served']['tokens_per_s'] / found['served-plain']['tokens_per_s']:.3f}, "
-            f"served/inproc {found['served']['tokens_per_s'] / found['inproc']['tokens_per_s']:.3f}",
+            + f" -> {ratios}",
             flush=True,
         )
     return results
@@ -273,6 +287,12 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=400)
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", help="CPU: the tiny Llama's dtype")
+    parser.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="servers of one run (>1: on one GPU they share it, and no in-process side runs)",
+    )
     parser.add_argument("--config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b"))
     args = parser.parse_args()
     if args.child:
@@ -285,7 +305,7 @@ def main() -> None:
     scratch = Path(
         tempfile.mkdtemp(prefix="hsx-bench-serve-", dir="/dev/shm" if args.gpu else None)
     )
-    server: Server | None = None
+    servers: list[Server] = []
     inproc: Child | None = None
     try:
         if args.gpu:
@@ -309,42 +329,55 @@ def main() -> None:
             datasets["short conversations (bundled x10)"] = write_jsonl(
                 scratch / "short.jsonl", 3000, seed=0
             )
-        server = Server(spec, scratch / "serve.log")
-        print(f"model {Path(model).name}, engine {engine}; server {server.url}", flush=True)
+        if args.gpu and args.servers > 2:  # the GPU's memory shared by every server
+            engine["gpu_memory_utilization"] = round(0.9 / args.servers, 2)
+            engine["kv_cache_memory_gib"] = engine["kv_cache_memory_gib"] * 2 // args.servers
+        servers = [Server(spec, scratch / f"serve-{i}.log") for i in range(args.servers)]
+        urls = [server.url for server in servers]
+        print(f"model {Path(model).name}, engine {engine}; servers {urls}", flush=True)
         for label, dataset in datasets.items():
             spec["dataset"] = str(dataset)
             spec_path = scratch / "spec.json"
             spec_path.write_text(json.dumps(spec))
-            inproc = Child("inproc", str(spec_path), script=__file__)
             sides = {
-                "served": extraction_runner(spec, server.url),
-                "served-plain": plain_runner(spec, server.url),
-                "inproc": inproc.one_pass,
+                "served": extraction_runner(spec, urls),
+                "served-plain": plain_runner(spec, urls),
             }
+            if args.servers == 1:
+                inproc = Child("inproc", str(spec_path), script=__file__)
+                sides["inproc"] = inproc.one_pass
             results = lockstep(sides, args.rounds)
-            print("  " + compare_served_and_inproc(spec, server.url, inproc), flush=True)
-            inproc.close()
-            inproc = None
+            if inproc is not None:
+                print("  " + compare_served_and_inproc(spec, urls, inproc), flush=True)
+                inproc.close()
+                inproc = None
             tokens = int(results[0]["served"]["tokens"])
             ratios = {
                 key: _median(
                     [r["served"]["tokens_per_s"] / r[key]["tokens_per_s"] for r in results]
                 )
-                for key in ("served-plain", "inproc")
+                for key in sides
+                if key != "served"
             }
             speeds = {n: _median([r[n]["tokens_per_s"] for r in results]) for n in sides}
             print(
-                f"[{label}, {tokens:,} tokens a pass, median of {args.rounds} rounds] hsx through "
-                f"`hsx serve` / plain prefill through the same server: {ratios['served-plain']:.3f}; "
-                f"/ in-process hsx extraction: {ratios['inproc']:.3f} (tokens/s: served "
-                f"{speeds['served']:,.0f}, served-plain {speeds['served-plain']:,.0f}, inproc "
-                f"{speeds['inproc']:,.0f})",
+                f"[{label}, {len(urls)} server(s), {tokens:,} tokens a pass, median of "
+                f"{args.rounds} rounds] hsx through `hsx serve` / plain prefill through the same "
+                f"server(s): {ratios['served-plain']:.3f}"
+                + (
+                    f"; / in-process hsx extraction: {ratios['inproc']:.3f}"
+                    if "inproc" in ratios
+                    else ""
+                )
+                + " (tokens/s: "
+                + ", ".join(f"{n} {v:,.0f}" for n, v in speeds.items())
+                + ")",
                 flush=True,
             )
     finally:
         if inproc is not None:
             inproc.close()
-        if server is not None:
+        for server in servers:
             server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -4,7 +4,9 @@
 # aiohttp, ...), put on sys.path *after* the machine's own packages (sitecustomize), so that
 # what the machine has wins. Then `hsx serve` on the GPU (preflight, probe, vLLM's server) and
 # bench/bench_serve.py --gpu: served vs plain-through-the-server vs in-process, one run.
-#   ROUNDS=3 CONV=400 bash bench/serve_on_h200.sh
+#   ROUNDS=3 CONV=400 [SERVERS=2] bash bench/serve_on_h200.sh
+# SERVERS=2: two servers on the one GPU (half its memory each) feeding one run (issue 14's
+# data-parallel case, as far as one GPU shows it).
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 if [ ! -d /tmp/site/vllm ]; then
@@ -29,4 +31,5 @@ for name in ("httpx", "uvicorn", "uvloop", "prometheus_client", "aiohttp", "fast
         print(f"import {name}: FAILED {exc!r}")
 PY
 timeout "${BENCH_TIMEOUT:-520}" python3 bench/bench_serve.py --gpu --rounds "${ROUNDS:-3}" \
-  --conversations "${CONV:-400}" 2>&1 | tee "$out/bench_serve.log" | grep -v -i "warn" | tail -40
+  --conversations "${CONV:-400}" --servers "${SERVERS:-1}" 2>&1 | tee "$out/bench_serve.log" \
+  | grep -v -i "warn" | tail -40

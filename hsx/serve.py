@@ -350,9 +350,13 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
     started = time.time()
     # A session of its own: a stop reaches the server through this process (SIGTERM first,
     # then its whole group), and the kernel kills it if this process dies.
-    child = subprocess.Popen(
-        plan.command(), env=env, start_new_session=True, preexec_fn=die_with_parent
-    )
+    try:
+        child = subprocess.Popen(
+            plan.command(), env=env, start_new_session=True, preexec_fn=die_with_parent
+        )
+    except OSError:
+        marker.unlink(missing_ok=True)
+        raise
     _write_info(info_path, {**info, "server_pid": child.pid, "started_at": started})
     stopping: list[int] = []
 
@@ -376,7 +380,8 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
         except EngineError as exc:
             say(f"hsx serve: {exc}")
             _stop(child)
-            return _exit_code(child, say) or 1
+            code = _exit_code(child, say)
+            return code if stopping else code or 1  # a failed start is a failure
         _write_info(
             info_path,
             {**info, "server_pid": child.pid, "started_at": started, "load_seconds": seconds},

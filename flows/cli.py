@@ -94,7 +94,7 @@ def build_settings(**fields: Any) -> Any:
         # HSX_* variables (a cross-field check must see the CLI's values, not the defaults).
         return HsxSettings(**top, **sections)
     except ValidationError as exc:
-        _fail(f"invalid settings:\n{exc}")
+        _fail(f"invalid settings:\n{settings_errors(exc)}")
 
 
 def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:

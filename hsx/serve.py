@@ -35,6 +35,7 @@ import httpx
 from hsx.engine.options import engine_kwargs, resolve_dtype
 from hsx.engine.platform import cpu_thread_binding, die_with_parent, exit_description
 from hsx.engine.server_protocol import (
+    API_KEY_ENV,
     MIDDLEWARE,
     SERVER_INFO_ENV,
     SERVER_INSTANCE_ENV,
@@ -119,7 +120,10 @@ def plan_server(
     )
     # Each client names its own ring per request: the server keeps none of its own, and
     # extracts only requests that name one (a plain completion runs as vLLM runs it).
-    kwargs["kv_transfer_config"]["kv_connector_extra_config"] = {"serving": True}
+    kwargs["kv_transfer_config"]["kv_connector_extra_config"] = {
+        "serving": True,
+        "channel_gids": group_ids(server.channel_groups),
+    }
     name = server.served_model_name or settings.model.name
     arguments = [
         "--model",
@@ -133,6 +137,7 @@ def plan_server(
         "--middleware",
         MIDDLEWARE,
         *server_flags(kwargs),
+        *([] if server.access_log else ["--disable-uvicorn-access-log"]),
         *server.vllm_args,
     ]
     env = {
@@ -164,6 +169,21 @@ def plan_server(
         "vllm_arguments": arguments,
     }
     return ServerPlan(arguments, env, info, kwargs)
+
+
+def group_ids(groups: Sequence[str]) -> list[int]:
+    """server.channel_groups as group ids (names looked up), ConfigError for an unknown one."""
+    import grp
+
+    ids = []
+    for group in groups:
+        try:
+            ids.append(int(group) if group.isdigit() else grp.getgrnam(group).gr_gid)
+        except KeyError:
+            raise ConfigError(
+                f"server.channel_groups: expected groups of this machine, found {group!r}"
+            ) from None
+    return ids
 
 
 def _on_cuda() -> bool:
@@ -341,6 +361,11 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
         SERVER_INSTANCE_ENV: instance,
     }
     env.pop("NOTIFY_SOCKET", None)  # systemd hears from this process, not from vLLM's
+    # vLLM's own --api-key, through its environment form: never on a command line (ps, logs).
+    # The /hsx/info middleware reads it too.
+    env.pop(API_KEY_ENV, None)
+    if server.api_key is not None:
+        env[API_KEY_ENV] = server.api_key.get_secret_value()
     say(
         f"hsx serve: loading {settings.model} (instance {instance}, layer ids "
         f"{info['layer_ids']}, dtype {info['engine_dtype']}, max_model_len "
@@ -388,7 +413,10 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
         )
         notify_systemd(f"READY=1\nSTATUS=serving {settings.model.name} at {plan.url}")
         say(f"hsx serve: ready at {plan.url} after {seconds:.1f} s (instance {instance})")
-        say(f"hsx serve: extract with engine.url={plan.url} (HSX_ENGINE__URL)")
+        say(
+            f"hsx serve: extract with engine.url={plan.url} (HSX_ENGINE__URL)"
+            + (" and the server's key (HSX_ENGINE__API_KEY)" if server.api_key else "")
+        )
         while child.poll() is None:
             time.sleep(0.5)
         if stopping:

@@ -57,6 +57,7 @@ def server_pool(settings: HsxSettings, spec: RunSpec) -> ServerPool:
         int(text_config(spec.config)["hidden_size"]),
         result_ring_bytes(settings.engine, shm_folder()),
         settings.engine.server_wait_s,
+        settings.engine.api_key.get_secret_value() if settings.engine.api_key else None,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from settings.strict import StrictSection, refuse_unknown_keys
@@ -127,6 +127,14 @@ class EngineSettings(StrictSection):
         le=86_400,
         description="How long a chunk waits for a server of engine.url to answer (down, "
         "restarting, still loading) before it fails.",
+    )
+
+    api_key: SecretStr | None = Field(
+        None,
+        exclude=True,  # never in a dump: Prefect's parameters, run records, logs
+        description="The key of the `hsx serve` servers of engine.url (their server.api_key), "
+        "sent as a bearer token. Set it in the environment (HSX_ENGINE__API_KEY), never in a "
+        "deployment's parameters: it is left out of every record hsx and Prefect keep.",
     )
 
     @field_validator("url", mode="before")

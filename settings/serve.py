@@ -7,10 +7,11 @@ Environment variables share the ``HSX_`` prefix with extraction: ``HSX_ENGINE__D
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from settings.models import CaptureSettings, EngineSettings
@@ -36,8 +37,19 @@ RESERVED_VLLM_FLAGS = frozenset(
         "--tensor-parallel-size",
         "--load-format",
         "--seed",
+        "--api-key",  # server.api_key: passed in the environment, off the command line
     }
 )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname: it may resolve to any address
 
 
 class ServerSettings(StrictSection):
@@ -75,6 +87,44 @@ class ServerSettings(StrictSection):
         description="More vLLM server flags, verbatim (e.g. ['--gpu-memory-utilization', '0.45'] "
         "for two servers on one GPU). Flags hsx sets itself are refused.",
     )
+
+    api_key: SecretStr | None = Field(
+        None,
+        exclude=True,  # never in a dump: /hsx/info, logs
+        description="Key clients must send (vLLM's own --api-key, given to the server in its "
+        "environment, not on its command line): /v1 and /hsx/info answer 401 without it. Set "
+        "it as HSX_SERVER__API_KEY; clients set the same value as HSX_ENGINE__API_KEY.",
+    )
+    allow_remote_without_key: bool = Field(
+        False,
+        description="Listen on an address beyond loopback without server.api_key. Refused "
+        "unless set: anyone who reaches the port could then send the server work.",
+    )
+    access_log: bool = Field(
+        False,
+        description="Log every HTTP request (uvicorn's access log: one line per batch of every "
+        "chunk). Off by default.",
+    )
+    channel_groups: list[str] = Field(
+        default_factory=list,
+        description="Groups (names or ids) whose members' channel folders the server writes "
+        "into besides its own user's: for clients that run as other users. Folders writable by "
+        "others are refused whatever their owner.",
+    )
+
+    @model_validator(mode="after")
+    def _a_key_beyond_loopback(self) -> ServerSettings:
+        if (
+            not is_loopback(self.host)
+            and self.api_key is None
+            and not self.allow_remote_without_key
+        ):
+            raise ValueError(
+                f"server.host {self.host!r} listens beyond this machine: expected "
+                "server.api_key (HSX_SERVER__API_KEY) to be set, found none (or set "
+                "server.allow_remote_without_key to serve anyone who reaches the port)"
+            )
+        return self
 
     @field_validator("vllm_args")
     @classmethod

@@ -33,8 +33,16 @@ TEST_ENGINE = ("--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib"
 class ServeProcess:
     """One `hsx serve MODEL` on a fixed port; restartable on that port (a new instance)."""
 
-    def __init__(self, model: Path, log_dir: Path, *options: str, name: str = "server") -> None:
+    def __init__(
+        self,
+        model: Path,
+        log_dir: Path,
+        *options: str,
+        name: str = "server",
+        api_key: str | None = None,
+    ) -> None:
         self.model = model
+        self.api_key = api_key  # server.api_key: clients must send it
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.options = options
@@ -45,6 +53,8 @@ class ServeProcess:
 
     def start(self, timeout: float = 300) -> ServeProcess:
         env = {**os.environ, "COLUMNS": "200", "HSX_SERVER__STATE_DIR": str(self.state_dir)}
+        if self.api_key is not None:
+            env["HSX_SERVER__API_KEY"] = self.api_key
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [*HSX, "serve", str(self.model), "--port", str(self.port), *self.options],
@@ -75,7 +85,8 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def info(self) -> dict[str, Any]:
-        return dict(httpx.get(f"{self.url}/hsx/info", timeout=10).json())
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return dict(httpx.get(f"{self.url}/hsx/info", timeout=10, headers=headers).json())
 
     def metric(self, name: str) -> float:
         """A counter of vLLM's /metrics (summed over its labels)."""

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 import contextlib
 
 from hsx import timings
+from hsx.engine.channel_files import OwnerRule
 from hsx.engine.copier import DeviceToHostCopier, gather_rows_on_cpu, write_spool_file
 from hsx.engine.options import CONNECTOR_NAME
 from hsx.engine.platform import request_amx
@@ -150,6 +151,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         # Under hsx serve: only requests that name a channel are extracted; any other (a plain
         # completion, a health probe) runs as vLLM would run it.
         self._serving = bool(extra.get("serving", False))
+        # Whose channel folders this server writes into: its own user's, and those of the
+        # groups `hsx serve` allows (server.channel_groups).
+        self._channel_owners = OwnerRule.of_this_process(extra.get("channel_gids", ()))
         self._group_id = _hidden_state_group_id(kv_cache_config)
         # Scheduler side: requests seen so far, by vLLM request id.
         self._tracked: dict[str, _TrackedRequest] = {}
@@ -265,7 +269,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         if ring is None and folder not in self._broken_channels:
             try:
                 # Non-blocking: a client that went away must never stall the server's step.
-                ring = RingWriter(folder, job.channel.granules, nonblocking=True)
+                ring = RingWriter(
+                    folder, job.channel.granules, nonblocking=True, owners=self._channel_owners
+                )
             except OSError as exc:
                 # Its rows cannot be delivered: the client's wait for them runs out and names
                 # the channel; other clients go on.
@@ -345,7 +351,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
             ring.announce_rows(key, rows)
         else:  # the ring was full when this request's rows were copied
             with timings.timed("spool_write", rows.nbytes):
-                path = write_spool_file(ring.folder, key, rows)
+                path = write_spool_file(ring.folder, key, rows, ring.folder_fd)
             ring.announce_file(key, str(path))
 
     def shutdown(self) -> None:

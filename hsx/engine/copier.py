@@ -13,6 +13,7 @@ reuses them once freed; host memory is bounded by the batches hsx keeps queued.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from hsx import timings
+from hsx.engine.channel_files import create_in_channel
 from hsx.local_io import aligned_cpu_tensor
 
 logger = logging.getLogger(__name__)
@@ -54,31 +56,42 @@ def spool_path(spool_dir: str | Path, key: str) -> Path:
 SPOOL_HEADER_BYTES = 4096
 
 
-def write_spool_file(spool_dir: str, key: str, rows: torch.Tensor) -> Path:
-    """One request's rows as a file in the spool (shared memory on /dev/shm), written under a
-    temporary name and renamed: a reader never sees half a file."""
+def write_spool_file(
+    spool_dir: str, key: str, rows: torch.Tensor, folder_fd: int | None = None
+) -> Path:
+    """One request's rows as a file in the spool (shared memory on /dev/shm), created new under
+    a temporary name and renamed within the folder: a reader never sees half a file, and a link
+    planted under either name is never written through. ``folder_fd``: the folder, already
+    open (a channel's writer holds it); else it is opened here, without following a link."""
     final = spool_path(spool_dir, key)
-    temp = final.with_name(final.name + f".tmp{os.getpid()}")
+    temporary = f"{final.name}.tmp{os.getpid()}"
     rows = rows.contiguous()
     header = json.dumps(
         {"dtype": str(rows.dtype).removeprefix("torch."), "shape": list(rows.shape)}
-    )
-    payload: bytes | memoryview = (
+    ).encode()
+    payload = memoryview(
         rows.view(torch.uint8).reshape(-1).numpy().data if rows.numel() else b""
+    ).cast("B")
+    folder = (
+        os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        if folder_fd is None
+        else folder_fd
     )
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = create_in_channel(folder, temporary)
         try:
-            os.write(fd, header.encode().ljust(SPOOL_HEADER_BYTES, b" "))
-            view = memoryview(payload).cast("B")
+            os.write(fd, header.ljust(SPOOL_HEADER_BYTES, b" "))
             written = 0
-            while written < view.nbytes:
-                written += os.write(fd, view[written : written + (64 << 20)])
+            while written < payload.nbytes:
+                written += os.write(fd, payload[written : written + (64 << 20)])
         finally:
             os.close(fd)
-        os.replace(temp, final)
+        os.replace(temporary, final.name, src_dir_fd=folder, dst_dir_fd=folder)
     finally:
-        temp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary, dir_fd=folder)
+        if folder_fd is None:
+            os.close(folder)
     return final
 
 

@@ -34,6 +34,11 @@ import numpy as np
 import torch
 
 from hsx import timings
+from hsx.engine.channel_files import (
+    OwnerRule,
+    open_channel_folder,
+    open_in_channel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +65,12 @@ def ring_granules(capacity_bytes: int) -> int:
 class _Mapping:
     """The ring file mapped shared: the byte map and the granules as numpy views."""
 
-    def __init__(self, path: Path, granules: int) -> None:
+    def __init__(self, path: Path, granules: int, fd: int | None = None) -> None:
+        """Maps ``path``, or the open ``fd`` (which it closes) when given."""
         self.granules = granules
         self.data_start = _map_bytes(granules)
         size = self.data_start + granules * GRANULE
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR) if fd is None else fd
         try:
             found = os.fstat(fd).st_size
             if found != size:
@@ -100,16 +106,34 @@ def _send(fd: int, message: dict[str, Any]) -> None:
 
 
 class RingWriter:
-    """The engine process's side: allocate rows in the ring, announce what arrived."""
+    """The engine process's side: allocate rows in the ring, announce what arrived.
 
-    def __init__(self, spool_dir: str, granules: int, nonblocking: bool = False) -> None:
+    The folder is named by the reader (under hsx serve: by a request), so it and its files are
+    opened without following links and checked on the open descriptors (hsx.engine.channel_files):
+    ChannelRefusedError for a folder or file the server must not write into."""
+
+    def __init__(
+        self,
+        spool_dir: str,
+        granules: int,
+        nonblocking: bool = False,
+        owners: OwnerRule | None = None,
+    ) -> None:
         self.folder = spool_dir
-        self._map = _Mapping(Path(spool_dir) / RING_FILE, granules)
-        # The reader holds the FIFO open for reading and writing, so this open does not wait.
-        # Non-blocking (a server's channel to a client): an open without a reader fails (ENXIO)
-        # instead of waiting, and a full FIFO fails a write after _FULL_FIFO_WAIT_S.
-        flags = os.O_WRONLY | (os.O_NONBLOCK if nonblocking else 0)
-        self._ready = os.open(Path(spool_dir) / READY_FIFO, flags)
+        owners = owners or OwnerRule.of_this_process()
+        self._folder_fd = open_channel_folder(spool_dir, owners)
+        try:
+            ring = open_in_channel(self._folder_fd, RING_FILE, os.O_RDWR, "file", owners)
+            self._map = _Mapping(Path(spool_dir) / RING_FILE, granules, fd=ring)
+            # The reader holds the FIFO open for reading and writing, so this open does not
+            # wait. Non-blocking (a server's channel to a client): an open without a reader
+            # fails (ENXIO) instead of waiting, and a full FIFO fails a write after
+            # _FULL_FIFO_WAIT_S.
+            flags = os.O_WRONLY | (os.O_NONBLOCK if nonblocking else 0)
+            self._ready = open_in_channel(self._folder_fd, READY_FIFO, flags, "fifo", owners)
+        except BaseException:
+            os.close(self._folder_fd)
+            raise
         self._cursor = 0
         self._lock = threading.Lock()
         self._allocated: dict[int, int] = {}  # data address -> granules, until announced
@@ -212,6 +236,11 @@ class RingWriter:
             return False
         return True
 
+    @property
+    def folder_fd(self) -> int:
+        """The folder, open: spool files are created relative to it (never through a link)."""
+        return self._folder_fd
+
     def announce_file(self, key: str, path: str) -> None:
         _send(self._ready, {"key": key, "file": path})
 
@@ -223,6 +252,7 @@ class RingWriter:
             self._send_timings(force=True)
         finally:
             os.close(self._ready)
+            os.close(self._folder_fd)
 
 
 class RingReader:

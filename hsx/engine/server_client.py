@@ -17,7 +17,6 @@ import asyncio
 import functools
 import logging
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -38,10 +37,11 @@ from hsx.engine.server_protocol import (
     INFO_PATH,
     PARAMS_KEY,
     ChannelRequest,
+    authorization_header,
     identity_problems,
     prompt_digest,
-    shm_folder,
 )
+from hsx.engine.shm_folders import make_owned_folder
 from hsx.errors import ConfigError, EngineError, HsxError, RequestRefusedError
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,17 @@ class ServerMismatchError(ConfigError):
         )
 
 
-def fetch_info(url: str, wait_s: float) -> dict[str, Any]:
+def key_refused(url: str, api_key: str | None, where: str) -> ConfigError:
+    """A server answered 401: the run's key is missing or not the server's (fatal: a retry
+    sends the same key)."""
+    found = "none set" if not api_key else "a key the server refused"
+    return ConfigError(
+        f"engine.url {url}: {where} answered HTTP 401: expected engine.api_key "
+        f"(HSX_ENGINE__API_KEY) to be the server's server.api_key, found {found}"
+    )
+
+
+def fetch_info(url: str, wait_s: float, api_key: str | None = None) -> dict[str, Any]:
     """The server's ``/hsx/info``, waiting up to ``wait_s`` for it to answer (it may still be
     loading the model, or restarting)."""
     deadline = time.monotonic() + wait_s
@@ -78,7 +88,11 @@ def fetch_info(url: str, wait_s: float) -> dict[str, Any]:
         try:
             health = httpx.get(f"{url}/health", timeout=10)
             if health.status_code == 200:
-                response = httpx.get(f"{url}{INFO_PATH}", timeout=10)
+                response = httpx.get(
+                    f"{url}{INFO_PATH}", timeout=10, headers=authorization_header(api_key)
+                )
+                if response.status_code == 401:
+                    raise key_refused(url, api_key, INFO_PATH)
                 if response.status_code == 200:
                     info = dict(response.json())
                     if "instance" in info:
@@ -162,9 +176,11 @@ class ServerEngine:
         hidden_size: int,
         ring_bytes: int,
         wait_s: float,
+        api_key: str | None = None,
     ) -> None:
         self.url = url
-        self.info = fetch_info(url, wait_s)
+        self._api_key = api_key
+        self.info = fetch_info(url, wait_s, api_key)
         problems = identity_problems(self.info, expected, url)
         if problems:
             raise ServerMismatchError(url, problems, self.info.get("model_dir"))
@@ -172,7 +188,7 @@ class ServerEngine:
         self.layer_ids = tuple(int(i) for i in self.info["layer_ids"])
         self.hidden_size = hidden_size
         self._model = str(self.info["served_model_name"])
-        self._channel = tempfile.mkdtemp(prefix=CHANNEL_PREFIX, dir=shm_folder())
+        self._channel = make_owned_folder(CHANNEL_PREFIX)
         self._granules = ring_granules(ring_bytes)
         self._rendezvous = ResultRendezvous(
             self._check,
@@ -216,6 +232,7 @@ class ServerEngine:
     async def _open_http(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(
             base_url=self.url,
+            headers=authorization_header(self._api_key),
             timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
         )
@@ -316,6 +333,9 @@ class ServerEngine:
             # vLLM refused a prompt of the batch (too long, ids outside the vocabulary): each
             # prompt again on its own, so that only the refused one fails, as in-process.
             await asyncio.gather(*(self._send(single) for single in batch.split()))
+            return
+        if response.status_code == 401:
+            self._fail(batch, key_refused(self.url, self._api_key, "/v1/completions"), dead=True)
             return
         if response.status_code == 400:
             self._fail(

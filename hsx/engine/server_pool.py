@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from hsx.engine.server_client import ServerEngine, ServerMismatchError
 from hsx.errors import ConfigError, EngineError
 
@@ -43,6 +45,7 @@ class ServerPool:
         hidden_size: int,
         ring_bytes: int,
         wait_s: float,
+        api_key: str | None = None,
     ) -> None:
         if not urls:
             raise ConfigError("engine.url: expected at least one server URL, found none")
@@ -51,6 +54,7 @@ class ServerPool:
         self._hidden_size = hidden_size
         self._ring_bytes = ring_bytes
         self._wait_s = wait_s
+        self._api_key = api_key
         self._clients: dict[str, ServerEngine] = {}
         self._down_since: dict[str, float] = {}
         self._last_error: dict[str, str] = {}
@@ -68,7 +72,9 @@ class ServerPool:
             return None
         try:
             # No wait on one server: the pool waits across all of them.
-            client = ServerEngine(url, self._expected, self._hidden_size, self._ring_bytes, 0.0)
+            client = ServerEngine(
+                url, self._expected, self._hidden_size, self._ring_bytes, 0.0, self._api_key
+            )
         except EngineError as exc:
             self._down_since[url] = time.monotonic()
             self._last_error[url] = str(exc)
@@ -160,14 +166,16 @@ def get_server_pool(
     hidden_size: int,
     ring_bytes: int,
     wait_s: float,
+    api_key: str | None = None,
 ) -> ServerPool:
     """The process's pool for these servers and this identity (kept across chunks and runs:
-    a long-lived worker keeps its channels)."""
-    key = repr((tuple(urls), sorted(expected.items()), hidden_size, wait_s))
+    a long-lived worker keeps its channels). Another key (rotated) is another pool."""
+    key_digest = xxhash.xxh3_64_hexdigest((api_key or "").encode())
+    key = repr((tuple(urls), sorted(expected.items()), hidden_size, wait_s, key_digest))
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None:
-            pool = ServerPool(urls, expected, hidden_size, ring_bytes, wait_s)
+            pool = ServerPool(urls, expected, hidden_size, ring_bytes, wait_s, api_key)
             _POOLS[key] = pool
         return pool
 

@@ -11,6 +11,7 @@ Imports neither vLLM nor starlette at module level: the connector imports it in 
 
 from __future__ import annotations
 
+import hmac
 import os
 import socket
 import tempfile
@@ -22,15 +23,22 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from hsx.engine.channel_files import check_key
+
 PARAMS_KEY = "hsx"
 INFO_PATH = "/hsx/info"
 # Set by `hsx serve` for the vLLM server it starts (its engine process inherits them).
 SERVER_INSTANCE_ENV = "HSX_SERVER_INSTANCE"
 SERVER_INFO_ENV = "HSX_SERVER_INFO"
 MIDDLEWARE = "hsx.engine.server_protocol.info_middleware"
+# vLLM's --api-key in its environment form (read by its server in 0.26 and 0.3x alike): /v1
+# answers 401 without it; /hsx/info checks it here.
+API_KEY_ENV = "VLLM_API_KEY"
 # A client's channel folder: created by the client under one of these, with this prefix. The
 # server opens nothing else (a request names the folder it writes into).
 CHANNEL_PREFIX = "hsx-channel-"
+# A ring of at most 1 TiB (64 KiB granules): a request cannot make the server map more.
+MAX_GRANULES = 1 << 24
 
 
 def shm_folder() -> str:
@@ -71,9 +79,16 @@ class ChannelRequest:
                 "kv_transfer_params.hsx: expected channel, granules and key, found "
                 f"{sorted(params)}: {exc!r}"
             ) from exc
+        check_key(request.key)
+        if not 0 < request.granules <= MAX_GRANULES:
+            raise ValueError(
+                f"kv_transfer_params.hsx.granules: expected 1..{MAX_GRANULES}, found "
+                f"{request.granules}"
+            )
         folder = Path(request.channel)
         if (
             not folder.is_absolute()
+            or os.path.normpath(request.channel) != request.channel
             or not folder.name.startswith(CHANNEL_PREFIX)
             or os.path.realpath(folder.parent) not in channel_parents()
         ):
@@ -134,10 +149,26 @@ def _served_info() -> bytes:
         return handle.read()
 
 
-async def info_middleware(request: Any, call_next: Any) -> Any:
-    """vLLM ``--middleware``: answers ``GET /hsx/info``, passes everything else on."""
-    if request.url.path == INFO_PATH:
-        from starlette.responses import Response
+def authorization_header(api_key: str | None) -> dict[str, str]:
+    """The header a client sends with a server's key (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
+
+def key_accepted(header: str | None) -> bool:
+    """Whether a request's Authorization header carries this server's key (or it has none)."""
+    key = os.environ.get(API_KEY_ENV, "")
+    if not key:
+        return True
+    return hmac.compare_digest((header or "").encode(), f"Bearer {key}".encode())
+
+
+async def info_middleware(request: Any, call_next: Any) -> Any:
+    """vLLM ``--middleware``: answers ``GET /hsx/info`` (401 without the server's key, as vLLM
+    answers /v1), passes everything else on."""
+    if request.url.path == INFO_PATH:
+        from starlette.responses import JSONResponse, Response
+
+        if not key_accepted(request.headers.get("Authorization")):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return Response(_served_info(), media_type="application/json")
     return await call_next(request)

@@ -212,4 +212,12 @@ def serving_contract_problems(modules: tuple[str, ...] = COMPLETION_PROTOCOL_MOD
             "vllm.v1.request.Request: expected it to take kv_transfer_params from the sampling "
             "parameters' extra_args, found another implementation"
         )
+    import vllm.envs
+
+    known = getattr(vllm.envs, "environment_variables", {})
+    if "VLLM_API_KEY" not in known:
+        problems.append(
+            "vllm.envs: expected VLLM_API_KEY (how hsx serve gives vLLM's server its "
+            "server.api_key, off the command line), found no such variable"
+        )
     return problems

@@ -14,7 +14,6 @@ import logging
 import os
 import queue
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -34,11 +33,15 @@ from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
 from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
 from hsx.engine.results import ResultRendezvous
+from hsx.engine.shm_folders import make_owned_folder
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.plan import read_config, text_config
 from settings import EngineSettings
 
 logger = logging.getLogger(__name__)
+
+# The engine's spool and result ring, in shared memory (hsx.engine.shm_folders).
+SPOOL_PREFIX = "hsx-spool-"
 
 
 def _on_cuda() -> bool:
@@ -72,8 +75,7 @@ class VllmHiddenStateEngine:
         self.hidden_size = int(text_config(config)["hidden_size"])
         self.dtype = resolve_dtype(engine, config)
         self._sink_id = f"hsx-{uuid.uuid4().hex}"
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self._spool = tempfile.mkdtemp(prefix="hsx-spool-", dir=shm)
+        self._spool = make_owned_folder(SPOOL_PREFIX)
         # Rows and finished requests meet here, in either order (copies are asynchronous on
         # GPUs; a child engine process delivers through the shared-memory result ring).
         # Under tensor parallelism the workers (and rank 0's connector) are processes of their

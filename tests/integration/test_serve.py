@@ -10,13 +10,17 @@ run under a real Prefect engine in this process, which builds no engine of its o
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from hsx.store import ExtractionStore
@@ -29,6 +33,8 @@ from tests.stores import max_difference_from_hf
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 HF_BOUND = 1e-4  # fp32: vLLM's CPU kernels against HF transformers
+# The Llama servers ask for a key (server.api_key); every run here sends it (engine.api_key).
+SERVE_KEY = "hsx-test-key-7f3a9c"
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +45,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def llama_server(tiny_llama: Path, logs: Path) -> Iterator[ServeProcess]:
     # With the probe: the reduced model runs through the exact path before the load.
-    server = ServeProcess(tiny_llama, logs, *TEST_ENGINE, name="llama").start()
+    server = ServeProcess(tiny_llama, logs, *TEST_ENGINE, name="llama", api_key=SERVE_KEY).start()
     yield server
     server.stop()
 
@@ -54,13 +60,14 @@ def llama_tp2_server(tiny_llama: Path, logs: Path) -> Iterator[ServeProcess]:
         "2",
         "--no-probe",
         name="llama-tp2",
+        api_key=SERVE_KEY,
     )
     yield server  # started by the tests that use it (and restarted after a kill)
     server.stop()
 
 
 def _settings(model: Path, dataset: Path, url: str, servers: list[str], **sections: Any) -> Any:
-    engine = {"url": servers, **sections.pop("engine", {})}
+    engine = {"url": servers, "api_key": SERVE_KEY, **sections.pop("engine", {})}
     data = {"max_samples": 60, **sections.pop("data", {})}
     layout = {"min_work_chunk_tokens": 1024, **sections.pop("layout", {})}
     return make_settings(model, dataset, url, engine=engine, data=data, layout=layout, **sections)
@@ -99,6 +106,12 @@ def test_serve_refuses_in_seconds_before_the_load(tiny_llama: Path, tmp_path: Pa
         port = taken.getsockname()[1]
         busy = hsx("serve", str(tiny_llama), "--port", str(port), "--no-probe")
     assert busy.returncode == 2 and f"127.0.0.1:{port} free, found it in use" in said(busy)
+
+    open_to_all = hsx("serve", str(tiny_llama), "--host", "0.0.0.0", "--no-probe")
+    assert open_to_all.returncode == 2, said(open_to_all)
+    assert "server.host '0.0.0.0' listens beyond this machine: expected server.api_key" in said(
+        open_to_all
+    )
     assert time.monotonic() - started < 120  # no model load in any of them
 
 
@@ -208,6 +221,14 @@ def test_a_server_that_serves_something_else_is_refused_before_any_work(
     assert "the run expects [1, 3, 8]" in message and "serves [2, 4, 5, 8]" in message, message
     assert not url.exists()  # refused before planning: nothing written
 
+    keyless = _settings(
+        tiny_llama, sample_dataset, str(url), [llama_server.url], engine={"api_key": None}
+    )
+    with pytest.raises(PreflightFailedError) as no_key:
+        extract_flow(keyless)
+    assert "/hsx/info answered HTTP 401: expected engine.api_key" in str(no_key.value)
+    assert "found none set" in str(no_key.value) and not url.exists()
+
     plain = ThreadingHTTPServer(("127.0.0.1", 0), _PlainServer)
     threading.Thread(target=plain.serve_forever, daemon=True).start()
     try:
@@ -222,6 +243,70 @@ def test_a_server_that_serves_something_else_is_refused_before_any_work(
     finally:
         plain.shutdown()
     assert not url.exists()
+
+
+def _complete(server: ServeProcess, key: str | None, **extra: Any) -> httpx.Response:
+    """One raw completion of 8 token ids, as any local user could send it."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": server.model.name, "prompt": [list(range(5, 13))], "max_tokens": 1, **extra}
+    return httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def test_a_request_cannot_make_the_server_write_outside_a_client_channel(
+    llama_server: ServeProcess, tmp_path: Path
+) -> None:
+    """The attack of issue 30: a channel whose ready.fifo links to a file the server may
+    write, and keys that name other folders. Each request is computed (HTTP 200) and nothing is
+    written outside a client's own channel; without the key nothing is served at all."""
+    from hsx.engine.result_ring import READY_FIFO, RING_FILE
+    from hsx.engine.results import ResultRendezvous
+    from hsx.engine.server_protocol import CHANNEL_PREFIX, shm_folder
+
+    llama_server.ensure_up()
+    assert _complete(llama_server, None).status_code == 401
+    assert _complete(llama_server, "wrong").status_code == 401
+    assert httpx.get(f"{llama_server.url}/hsx/info", timeout=10).status_code == 401
+    assert httpx.get(f"{llama_server.url}/health", timeout=10).status_code == 200
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    tag = uuid.uuid4().hex[:8]
+    linked = Path(shm_folder()) / f"{CHANNEL_PREFIX}evil-{tag}"
+    honest = Path(shm_folder()) / f"{CHANNEL_PREFIX}honest-{tag}"
+    escape = Path(tempfile.gettempdir()) / f"evil-{tag}"
+    linked.mkdir(mode=0o700)
+    honest.mkdir(mode=0o700)
+    rings = [
+        ResultRendezvous(lambda k, n, r: r, spool_dir=str(f), ring_bytes=1 << 16)
+        for f in (linked, honest)
+    ]
+    try:
+        (linked / READY_FIFO).unlink()
+        (linked / READY_FIFO).symlink_to(victim)
+        attacks = {
+            "linked fifo": {"channel": str(linked), "granules": 1, "key": "k1"},
+            "key with ..": {"channel": str(honest), "granules": 1, "key": f"../../tmp/evil-{tag}"},
+            "absolute key": {"channel": str(honest), "granules": 1, "key": str(escape)},
+        }
+        for what, params in attacks.items():
+            answer = _complete(llama_server, SERVE_KEY, kv_transfer_params={"hsx": params})
+            assert answer.status_code == 200, (what, answer.text)
+        assert victim.read_text() == "precious\n"
+        assert not list(escape.parent.glob(f"evil-{tag}*")), "a key escaped its channel"
+        assert sorted(p.name for p in honest.iterdir()) == sorted([RING_FILE, READY_FIFO])
+        log = llama_server.log()
+        assert f"hsx channel {linked} cannot be opened" in log and "not a link" in log, log[-3000:]
+        assert log.count("kv_transfer_params.hsx.key: expected letters") >= 2, log[-3000:]
+        # Access logs are off; the key is in no log line and on no command line.
+        assert '"POST /v1/completions HTTP/1.1"' not in log
+        assert SERVE_KEY not in log and SERVE_KEY not in json.dumps(llama_server.info())
+        server_pid = int(llama_server.info()["server_pid"])
+        assert SERVE_KEY.encode() not in Path(f"/proc/{server_pid}/cmdline").read_bytes()
+    finally:
+        for ring in rings:
+            ring.close()
+        for folder in (linked, honest):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _kill_mid_chunk(server: ServeProcess, store: str, after: int, restart: bool) -> dict[str, Any]:

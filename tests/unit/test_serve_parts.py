@@ -68,6 +68,32 @@ def test_serve_settings_refuse_what_would_make_the_server_lie(
         ServeSettings(model=Path("m"))
 
 
+def test_a_server_beyond_loopback_needs_a_key_and_keys_stay_out_of_every_dump(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for host in ("0.0.0.0", "10.1.2.3", "gpu-node-7"):
+        with pytest.raises(ValidationError, match=f"server.host '{host}' listens beyond this"):
+            ServeSettings(model=Path("m"), server={"host": host})
+    forced = ServeSettings(
+        model=Path("m"), server={"host": "0.0.0.0", "allow_remote_without_key": True}
+    )
+    assert forced.server.api_key is None
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert ServeSettings(model=Path("m"), server={"host": host}).server.host == host
+    monkeypatch.setenv("HSX_SERVER__API_KEY", "s3cret-server")
+    monkeypatch.setenv("HSX_ENGINE__API_KEY", "s3cret-client")
+    served = ServeSettings(model=Path("m"), server={"host": "0.0.0.0"})
+    assert served.server.api_key is not None
+    assert served.server.api_key.get_secret_value() == "s3cret-server"
+    client = HsxSettings(model=Path("m"), dataset=Path("d.jsonl"), store="s.zarr")
+    assert client.engine.api_key is not None
+    # Prefect's parameters, run records and /hsx/info are dumps: the keys are in none of them.
+    dumps = served.model_dump_json() + client.model_dump_json() + repr(served) + repr(client)
+    assert "s3cret" not in dumps
+    with pytest.raises(ValidationError, match=r"found \['--api-key'\]"):
+        ServeSettings(model=Path("m"), server={"vllm_args": ["--api-key", "x"]})
+
+
 def test_a_request_names_only_a_channel_folder_of_a_client() -> None:
     """The server writes into the folder a request names: only hsx channel folders in shared
     memory (or the temporary folder) are taken, never another path."""

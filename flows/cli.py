@@ -494,35 +494,32 @@ def preflight(
     from pydantic import ValidationError
 
     from hsx.preflight.run import run_preflight
-    from settings import CaptureSettings, EngineSettings
+    from settings import PreflightSettings
+
+    def given(values: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in values.items() if v is not None}
 
     try:
-        capture = CaptureSettings(
-            **{
-                k: v
-                for k, v in {
-                    "layer_ids": _layer_ids(layer_ids),
-                    "layer_convention": layer_convention,
-                }.items()
-                if v is not None
-            }
-        )
-        engine = EngineSettings(
-            **{
-                k: v
-                for k, v in {
+        # HSX_ENGINE__* and HSX_CAPTURE__* apply as they would to a run; the options over them.
+        settings = PreflightSettings(
+            model=model_dir,
+            capture=given(
+                {"layer_ids": _layer_ids(layer_ids), "layer_convention": layer_convention}
+            ),
+            engine=given(
+                {
                     "tensor_parallel_size": tensor_parallel_size,
                     "mla_rotary_custom_op": rotary_custom_op,
                     "max_model_len": max_model_len,
                     "dtype": dtype,
                     "attention_backend": attention_backend,
-                }.items()
-                if v is not None
-            }
+                }
+            ),
         )
     except ValidationError as exc:
         _fail(f"invalid settings:\n{settings_errors(exc)}")
         return
+    capture, engine = settings.capture, settings.engine
     report = run_preflight(
         model_dir, capture, engine, probe=probe, store_url=store, max_length=max_length
     )

@@ -10,6 +10,7 @@ from settings.models import (
     RunSettings,
     StoreSettings,
 )
+from settings.preflight import PreflightSettings
 from settings.serve import ServerSettings, ServeSettings
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "EngineSettings",
     "HsxSettings",
     "PipelineSettings",
+    "PreflightSettings",
     "RunSettings",
     "ServeSettings",
     "ServerSettings",

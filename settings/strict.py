@@ -94,10 +94,23 @@ def unknown_environment(
         head = upper.removeprefix("HSX_").split("__", 1)[0].lower()
         if head in sections or head in top or head in elsewhere:
             continue  # a section's own keys are checked by the section
-        close = difflib.get_close_matches(upper, known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(known)}"
-        problems.append(f"unknown setting variable {name}: {hint}")
+        problems.append(f"unknown setting variable {name}: {_variable_hint(upper, known)}")
     return "; ".join(problems) or None
+
+
+def _variable_hint(upper: str, known: list[str]) -> str:
+    """The closest known variable: first those whose field is the name given without its
+    section (HSX_DTYPE -> HSX_ENGINE__DTYPE), then the closest spelling of the whole name."""
+    tail = upper.removeprefix("HSX_").rsplit("__", 1)[-1]
+    same_field = [name for name in known if name.rsplit("__", 1)[-1] == f"{tail}" and "__" in name]
+    if same_field:
+        return f"did you mean {' or '.join(same_field)}?"
+    by_field = difflib.get_close_matches(
+        tail, [name.rsplit("__", 1)[-1] for name in known if "__" in name], n=1, cutoff=0.75
+    )
+    close = [name for name in known if by_field and name.endswith(f"__{by_field[0]}")]
+    close = close or difflib.get_close_matches(upper, known, n=1, cutoff=0.6)
+    return f"did you mean {' or '.join(close)}?" if close else f"expected one of {', '.join(known)}"
 
 
 def refuse_unknown_keys(

@@ -364,10 +364,12 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def engine_key(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> str:
+    """What builds the engine: the model, the engine's building fields, the layer ids (not the
+    batch size or servers, which only change how hsx feeds it)."""
     return json.dumps(
         {
             "model": str(model_dir.resolve()),
-            "engine": engine.model_dump(mode="json"),
+            "engine": engine.build_identity(),
             "layers": list(layer_ids),
         },
         sort_keys=True,

@@ -25,7 +25,8 @@ import numpy as np
 
 from hsx.preflight.report import CheckResult, Status
 from hsx.tiny_models import seeded_init
-from settings import EngineSettings, HsxSettings
+from settings import EngineSettings
+from settings.models import SettingsWithoutEnvironment
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ def run_probe(
                 else engine.attention_backend,
             }
         )
-        settings = HsxSettings(
+        settings = SettingsWithoutEnvironment(
             model=model_dir,
             dataset=dataset,
             store=url,

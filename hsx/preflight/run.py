@@ -47,7 +47,10 @@ def _guarded(check: str, run: Callable[[], CheckResult]) -> CheckResult:
         return run()
     except Exception as exc:
         logger.error("preflight check %s raised %r", check, exc, exc_info=True)
-        return CheckResult(check, Status.FAIL, f"check raised {exc!r}")
+        # A result, never a traceback: the first line of the error sums it up, the rest (a
+        # pydantic error's lines, say) are details.
+        first, *rest = (f"check raised {type(exc).__name__}: {exc}".strip()).splitlines()
+        return CheckResult(check, Status.FAIL, first, tuple(line for line in rest if line.strip()))
 
 
 def capture_layer_ids(capture: CaptureSettings, num_layers: int) -> tuple[int, ...]:

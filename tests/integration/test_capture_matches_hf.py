@@ -14,7 +14,7 @@ import torch
 
 from hsx.dataset import iter_conversations, tokenize_conversation
 from hsx.engine.hf_reference import hf_hidden_states, load_hf_model
-from hsx.engine.vllm_engine import get_engine
+from hsx.engine.vllm_engine import engine_is_loaded, get_engine
 from hsx.extract import RunContext
 from hsx.pipeline import extract_work_chunk, plan_and_create_store, run_spec
 from hsx.planning import load_tokenizer
@@ -84,6 +84,12 @@ def test_tiny_llama_local_store_matches_hf(
     results = engine.extract([np.arange(1, 200), np.arange(3, 40), np.arange(5, 300)])
     assert [tuple(r.shape) for r in results] == [(199, 4, 256), (37, 4, 256), (295, 4, 256)]
     assert [r.data_ptr() % 4096 for r in results] == [0, 0, 0]
+    # A changed batch size (how hsx feeds the engine) reuses the loaded engine; a changed dtype
+    # (what the engine computes) does not.
+    fed_otherwise = settings.engine.model_copy(update={"batch_tokens": 64, "server_wait_s": 1.0})
+    assert get_engine(settings.model, fed_otherwise, run_spec(settings).layer_ids) is engine
+    built_otherwise = settings.engine.model_copy(update={"dtype": "bfloat16"})
+    assert not engine_is_loaded(settings.model, built_otherwise, run_spec(settings).layer_ids)
 
 
 def test_a_prompt_vllm_refuses_fails_alone(tiny_llama: Path, sample_dataset: Path) -> None:

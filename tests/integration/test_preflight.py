@@ -95,6 +95,41 @@ def test_cli_exit_codes_and_json(tiny_llama: Path) -> None:
     assert "Preflight OK" in passing.stdout
 
 
+def test_preflight_checks_the_environment_a_run_would_use(tiny_llama: Path) -> None:
+    """`hsx preflight` reads the HSX_ variables a run reads: a misspelt one is refused at the
+    door naming the real one, and a setting the model cannot take fails its check."""
+    from tests.cli import hsx, said
+
+    misspelt = hsx("preflight", str(tiny_llama), env={"HSX_DTYPE": "float32"})
+    assert misspelt.returncode == 2, said(misspelt)
+    assert "unknown setting variable HSX_DTYPE: did you mean HSX_ENGINE__DTYPE?" in said(misspelt)
+    assert "Traceback" not in said(misspelt)
+    too_long = hsx(
+        "preflight", str(tiny_llama), "--no-probe", env={"HSX_ENGINE__MAX_MODEL_LEN": "4096"}
+    )
+    assert too_long.returncode == 1, said(too_long)
+    assert "4096" in said(too_long) and "Preflight OK" not in said(too_long)
+
+
+def test_a_check_that_raises_reports_a_one_line_result() -> None:
+    """A check whose error spans lines (a pydantic error) is a FAIL with details, never a
+    traceback in place of the report."""
+    from pydantic import ValidationError
+
+    from hsx.preflight.run import _guarded
+    from settings import EngineSettings as Engine
+
+    def bad_settings() -> object:
+        return Engine(dtype="float64")
+
+    result = _guarded("probe", bad_settings)  # type: ignore[arg-type]
+    assert result.status == Status.FAIL and "\n" not in result.summary
+    assert result.summary.startswith("check raised ValidationError: 1 validation error")
+    assert any("dtype" in line for line in result.details), result.details
+    with pytest.raises(ValidationError):
+        bad_settings()
+
+
 def test_flow_stops_at_failed_preflight_before_loading(
     prefect_harness: None, tiny_deepseek: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:

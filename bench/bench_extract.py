@@ -198,8 +198,11 @@ class Child:
             if line.startswith("{"):
                 return cast(dict[str, float], json.loads(line))
         self._stderr.seek(0)
+        from hsx.engine.platform import exit_description
+
         raise RuntimeError(
-            f"{self.kind} child exited ({self._proc.wait()}):\n{self._stderr.read()[-4000:]}"
+            f"{self.kind} child ended ({exit_description(self._proc.wait())}):\n"
+            f"{self._stderr.read()[-4000:]}"
         )
 
     def one_pass(self) -> dict[str, float]:
@@ -279,7 +282,11 @@ def run_child(kind: str, *args: str) -> dict[str, float]:
         env=preload_env(dict(os.environ)),
     )
     if out.returncode != 0:
-        raise RuntimeError(f"{kind} child failed ({out.returncode}):\n{out.stderr[-4000:]}")
+        from hsx.engine.platform import exit_description
+
+        raise RuntimeError(
+            f"{kind} child failed ({exit_description(out.returncode)}):\n{out.stderr[-4000:]}"
+        )
     return cast(dict[str, float], json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -421,6 +428,13 @@ def main() -> None:
     parser.add_argument("--only", choices=["throughput", "write", "memory"], default=None)
     args = parser.parse_args()
     if args.child:
+        from hsx.engine.platform import enable_fault_reports, request_amx
+
+        # Each child builds its own engine, plain vLLM included: ask for AMX as hsx's engines
+        # do (vLLM's CPU kernels use it where it exists, and die of SIGILL without it), and
+        # report a fault with every thread's traceback.
+        request_amx()
+        enable_fault_reports()
         kind, model, dataset, dtype, *rest = args.child
         if kind == "serve-plain":
             serve(plain_runner(Path(model), Path(dataset), dtype))

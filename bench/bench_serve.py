@@ -240,7 +240,10 @@ class Server:
         deadline = time.monotonic() + 900
         while "hsx serve: ready at" not in log.read_text(errors="replace"):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"hsx serve did not start:\n{log.read_text()[-4000:]}")
+                from hsx.engine.platform import exit_description
+
+                ended = exit_description(self.process.poll())
+                raise RuntimeError(f"hsx serve did not start ({ended}):\n{log.read_text()[-4000:]}")
             time.sleep(0.5)
 
     def stop(self) -> None:

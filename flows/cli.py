@@ -106,7 +106,7 @@ def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:
         "chunks": "work chunks",
         "chunks_extracted_now": "chunks extracted by this run",
         "tokens_extracted_now": "tokens extracted by this run",
-        "extract_tokens_per_s": "tokens/s (extraction phase, model load included)",
+        "extract_tokens_per_s": "tokens/s (extraction: first chunk's start to last commit)",
         "wall_seconds": "wall seconds (preflight, plan, extraction, verify)",
         "verification": "verification",
     }

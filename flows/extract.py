@@ -183,7 +183,7 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
             progress.update(done)
             extracted_tokens += int(result["tokens"])
             skipped_samples += int(result.get("samples_skipped", 0))
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - loop_started
             logger.info(
                 "progress: %d/%d chunks, %d tokens, %.0f tokens/s, ETA %.0f s",
                 done,
@@ -244,7 +244,8 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
         "chunks_not_started": not_started,
         "samples_skipped_now": skipped_samples,
         "tokens_extracted_now": extracted_tokens,
-        # Wall time of the extraction phase, the engine load of a first chunk included.
+        # Tokens over the extraction phase (first chunk's start to last commit), as the progress
+        # lines count them; preflight and planning are in wall_seconds.
         "extract_tokens_per_s": round(extracted_tokens / loop_seconds, 1)
         if extracted_tokens
         else 0.0,

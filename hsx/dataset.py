@@ -1,61 +1,35 @@
-"""Conversation datasets: streaming JSONL reader, chat-template tokenization with an assistant-only
-loss mask, and fingerprints of the dataset file and tokenizer (so a store records exactly what
-it was built from).
+"""Conversation datasets: reading them (any format of hsx.data), chat-template tokenization with an
+assistant-only loss mask, and fingerprints of the dataset and tokenizer (so a store records
+exactly what it was built from).
 
-A dataset is JSONL in OpenAI ``messages`` form, one conversation per line::
-
-    {"id": "optional", "messages": [{"role": "user", "content": "..."}, ...]}
-
-An ``id``, where given, is a string unique in the file: a repeated one fails naming both lines.
-
-Every problem is a ``DatasetError`` naming the file and 1-based line, so a bad line fails the run
-before any extraction starts (``validate_dataset``) instead of in the middle of it.
+Every problem is a ``DatasetError`` naming the file and row (line, or row group and row), so a
+bad row fails the run before any extraction starts (``validate_dataset``) instead of in the
+middle of it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
+from hsx.data.conversations import Conversation, conversation_of
+from hsx.data.sources import dataset_files, excerpt, fingerprint_files, iter_rows
+from hsx.data.sources import fingerprint_file as source_fingerprint
 from hsx.errors import ConfigError, DatasetError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-ROLES = ("system", "user", "assistant", "tool")
-_FINGERPRINT_BLOCK = 8 * 1024 * 1024
-# Longest excerpt of a bad value quoted in an error: enough to recognise it, not a whole document.
-_EXCERPT = 80
+logger = logging.getLogger(__name__)
 
 ChatMessage = tuple[str, str]  # (role, content)
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """One validated conversation of a dataset file."""
-
-    index: int
-    """0-based sample index, counting non-blank lines only (the sample's position in the store)."""
-    line_number: int
-    """1-based line of the file, for error messages and audits."""
-    sample_id: str
-    """The line's ``id`` field, or ``line-{line_number}`` when it has none."""
-    messages: tuple[ChatMessage, ...]
-    byte_offset: int = 0
-    """Offset of the line in the file: a work chunk seeks straight to its first sample."""
-    has_own_id: bool = False
-    """True when the line gave its ``id`` (ids must then be unique in the file)."""
-
-    def as_chat(self) -> list[dict[str, str]]:
-        """The messages in the dict form ``apply_chat_template`` expects."""
-        return [{"role": role, "content": content} for role, content in self.messages]
 
 
 @dataclass(frozen=True)
@@ -65,143 +39,136 @@ class TokenizedSample:
     input_ids: np.ndarray  # [tokens] int32
     loss_mask: np.ndarray  # [tokens] uint8: 1 on assistant content and its end-of-turn token
     truncated: bool
+    original_tokens: int = 0  # before truncation to max_length
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def _excerpt(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= _EXCERPT else text[: _EXCERPT - 3] + "..."
-
-
-def _parse_line(raw: bytes, path: Path, line_number: int, index: int) -> Conversation:
-    where = f"{path}:{line_number}"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DatasetError(
-            f"{where}: expected a JSON object in UTF-8 text, found a byte that is not UTF-8 "
-            f"({exc.reason}: {raw[exc.start : exc.start + 1]!r} at byte {exc.start} of the line): "
-            f"{_excerpt(raw.decode('utf-8', errors='replace').strip())}"
-        ) from exc
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(
-            f"{where}: expected a JSON object, found text that is not JSON ({exc}): "
-            f"{_excerpt(raw.decode('utf-8', errors='replace').strip())}"
-        ) from exc
-    if not isinstance(record, dict):
-        raise DatasetError(
-            f"{where}: expected a JSON object with a 'messages' list, "
-            f"found {type(record).__name__} {_excerpt(record)}"
-        )
-    raw_messages = record.get("messages")
-    if not isinstance(raw_messages, list) or not raw_messages:
-        found = "no 'messages' key" if "messages" not in record else _excerpt(raw_messages)
-        raise DatasetError(
-            f"{where}: expected a non-empty 'messages' list, found {found} (keys: {sorted(record)})"
-        )
-    sample_id = record.get("id")
-    has_own_id = sample_id is not None
-    if sample_id is None:
-        sample_id = f"line-{line_number}"
-    elif not isinstance(sample_id, str):
-        raise DatasetError(
-            f"{where}: expected 'id' to be a string, found {type(sample_id).__name__} "
-            f"{_excerpt(sample_id)}"
-        )
-    messages: list[ChatMessage] = []
-    for position, message in enumerate(raw_messages):
-        at = f"{where}: message {position}"
-        if not isinstance(message, dict):
-            raise DatasetError(
-                f"{at}: expected an object with string 'role' and 'content', "
-                f"found {type(message).__name__} {_excerpt(message)}"
-            )
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise DatasetError(
-                f"{at}: expected string 'role' and 'content', found role={_excerpt(role)} "
-                f"content={_excerpt(content)}"
-            )
-        if role not in ROLES:
-            raise DatasetError(f"{at}: expected a role in {ROLES}, found {role!r}")
-        messages.append((role, content))
-    if not any(role == "assistant" for role, _ in messages):
-        # Nothing to train on: EAGLE-3 learns from assistant tokens only.
-        raise DatasetError(
-            f"{where}: expected at least one 'assistant' message, "
-            f"found roles {[role for role, _ in messages]}"
-        )
-    return Conversation(index, line_number, sample_id, tuple(messages), has_own_id=has_own_id)
-
-
 DEFAULT_MAX_LINE_BYTES = 8 * 2**20  # settings.DataSettings.max_line_bytes
 
 
-def _bounded_lines(source: BinaryIO, path: Path, max_line_bytes: int) -> Iterator[bytes]:
-    """The file's lines, each read with a limit: memory stays at ``max_line_bytes`` whatever the
-    line, and an over-long line is refused by its number before anything parses it."""
-    line_number = 0
-    while raw := source.readline(max_line_bytes + 1):
-        line_number += 1
-        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):  # its newline may be byte L+1
-            raise DatasetError(
-                f"{path}:{line_number}: expected a line of at most {max_line_bytes:,} bytes "
-                f"(data.max_line_bytes), found a longer one (more than {max_line_bytes:,} bytes "
-                "read without reaching its end); split the conversation, or raise "
-                "data.max_line_bytes"
-            )
-        yield raw
-
-
 def iter_conversations(
-    path: Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    dataset: Path,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    fmt: str = "auto",
+    split: str | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> Iterator[Conversation]:
-    """Stream the conversations of a JSONL file, one line at a time; blank lines are skipped.
-    Each carries its line's byte offset (recorded in the plan, for audits).
-
-    Raises ``DatasetError`` at the first bad line, for a missing file, or for a file without any
-    conversation.
-    """
-    if not path.is_file():
-        found = "a directory" if path.is_dir() else "nothing"
-        raise DatasetError(f"{path}: expected a JSONL dataset file, found {found} at that path")
-    offset = index = 0
-    # Line of each explicit 'id' seen: a second line with one is refused naming both lines (a
-    # reader looking a sample up by its id would otherwise find either).
-    first_line_of: dict[str, int] = {}
-    # Binary lines, decoded one by one: a bad UTF-8 byte is then reported with its line number.
-    with path.open("rb") as lines:
-        for line_number, raw in enumerate(_bounded_lines(lines, path, max_line_bytes), start=1):
-            if raw.strip():
-                parsed = _parse_line(raw, path, line_number, index)
-                if parsed.has_own_id:
-                    first = first_line_of.setdefault(parsed.sample_id, line_number)
-                    if first != line_number:
-                        raise DatasetError(
-                            f"{path}:{line_number}: expected each 'id' once, found id "
-                            f"{_excerpt(parsed.sample_id)} again: lines {first} and {line_number} "
-                            "both use it"
-                        )
-                yield dataclasses.replace(parsed, byte_offset=offset)
-                index += 1
-            offset += len(raw)
+    """Stream the conversations of a dataset (any format of hsx.data.sources), one row at a
+    time. Raises ``DatasetError`` at the first bad row, for a missing dataset, for an id used
+    twice (naming both rows), or for a dataset without any conversation."""
+    first_row_of: dict[str, str] = {}
+    index = 0
+    for row in iter_rows(dataset_files(dataset, fmt, split), max_line_bytes):
+        conversation = conversation_of(row, index, columns)
+        if conversation.has_own_id:
+            # A reader looking a sample up by its id would otherwise find either row.
+            first = first_row_of.setdefault(conversation.sample_id, row.where)
+            if first != row.where:
+                raise DatasetError(
+                    f"{row.where}: expected each id once, found id "
+                    f"{excerpt(conversation.sample_id)} again: {first} and {row.where} both use it"
+                )
+        yield conversation
+        index += 1
     if index == 0:
         raise DatasetError(
-            f"{path}: expected at least one conversation, found an empty file (or only blank lines)"
+            f"{dataset}: expected at least one conversation, found an empty dataset (or only "
+            "blank lines)"
         )
 
 
-def validate_dataset(path: Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
-    """Read the whole file, raising its first error; returns the number of conversations."""
-    count = 0
-    for _ in iter_conversations(path, max_line_bytes):
-        count += 1
-    return count
+def validate_dataset(
+    dataset: Path,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    fmt: str = "auto",
+    split: str | None = None,
+    columns: Mapping[str, str] | None = None,
+) -> int:
+    """Read the whole dataset, raising its first error; returns the number of conversations."""
+    return sum(1 for _ in iter_conversations(dataset, max_line_bytes, fmt, split, columns))
+
+
+class Overlength:
+    """What ``data.on_overlength`` does with a sample longer than ``max_length``, and a record
+    of what it did (logged, counted in the run summary, kept in the store's metadata)."""
+
+    def __init__(self, policy: str, max_length: int) -> None:
+        self.policy = policy
+        self.max_length = max_length
+        self.truncated: list[list[int]] = []  # [sample index in the store, tokens before]
+        self.skipped: list[list[Any]] = []  # [where it was read, tokens]
+
+    def keep(self, conversation: Conversation, sample: TokenizedSample, index: int) -> bool:
+        """Whether the sample goes into the store (as index ``index``)."""
+        if not sample.truncated:
+            return True
+        if self.policy == "fail":
+            raise DatasetError(
+                f"{conversation.where}: expected at most {self.max_length} tokens "
+                f"(data.max_length), found {sample.original_tokens} (data.on_overlength is "
+                "'fail'; 'truncate' keeps the first max_length tokens, 'skip' leaves it out)"
+            )
+        if self.policy == "skip":
+            self.skipped.append([conversation.where, sample.original_tokens])
+            return False
+        self.truncated.append([index, sample.original_tokens])
+        return True
+
+    def report(self, kept: int) -> None:
+        """Log what was cut or left out; DatasetError when nothing is left."""
+        if self.truncated:
+            logger.warning(
+                "%d samples longer than data.max_length %d were truncated (first: sample %d, %d "
+                "tokens); the store lists them under 'overlength'",
+                len(self.truncated),
+                self.max_length,
+                *self.truncated[0],
+            )
+        if self.skipped:
+            logger.warning(
+                "%d samples longer than data.max_length %d were skipped (first: %s, %d tokens)",
+                len(self.skipped),
+                self.max_length,
+                *self.skipped[0],
+            )
+        if kept == 0 and self.skipped:
+            raise DatasetError(
+                f"expected samples of at most {self.max_length} tokens (data.max_length), found "
+                f"every one of {len(self.skipped)} longer (data.on_overlength is 'skip')"
+            )
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "max_length": self.max_length,
+            "truncated": self.truncated,
+            "skipped": self.skipped,
+        }
+
+
+def pretokenized_sample(
+    conversation: Conversation, max_length: int, vocabulary: int
+) -> TokenizedSample:
+    """A pre-tokenized row as a sample (no chat template): its ids checked against the
+    tokenizer's vocabulary, truncated to ``max_length`` like any sample."""
+    ids, mask = conversation.input_ids, conversation.loss_mask
+    if ids is None or mask is None:
+        raise DatasetError(f"{conversation.where}: expected pre-tokenized input_ids and loss_mask")
+    if int(ids.max()) >= vocabulary:
+        position = int(np.argmax(ids >= vocabulary))
+        raise DatasetError(
+            f"{conversation.where}: input_ids: expected ids below the tokenizer's vocabulary "
+            f"of {vocabulary}, found {int(ids[position])} at position {position}"
+        )
+    return TokenizedSample(
+        input_ids=ids[:max_length].copy(),
+        loss_mask=mask[:max_length].copy(),
+        truncated=len(ids) > max_length,
+        original_tokens=len(ids),
+    )
 
 
 def _normalize(
@@ -215,29 +182,67 @@ def _normalize(
     ]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    chat: list[dict[str, Any]],
+    prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    text = tokenizer.apply_chat_template(
+        chat,
+        tools=[dict(tool) for tool in tools] if tools else None,
+        tokenize=False,
+        add_generation_prompt=prompt,
+    )
     if not isinstance(text, str):
         raise ConfigError(f"expected the chat template to render a string, found {type(text)}")
     return text
 
 
 def _content_floor(
-    tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], turn: int, text: str
+    tokenizer: PreTrainedTokenizerBase,
+    chat: list[dict[str, Any]],
+    turn: int,
+    text: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> int | None:
     """Where assistant turn ``turn``'s content can start at the earliest: the length of the
     conversation before it rendered with the generation prompt, when that is a literal prefix of
     the full rendering. This keeps a short answer ("a", "user") from matching the role header.
     None when the template renders prefixes differently (or refuses them)."""
     try:
-        prefix = _render(tokenizer, chat[:turn], prompt=True)
+        prefix = _render(tokenizer, chat[:turn], prompt=True, tools=tools)
     except Exception:  # a template may reject a partial conversation: fall back to the cursor
         return None
     return len(prefix) if text.startswith(prefix) else None
 
 
+def _turn_span(
+    tokenizer: PreTrainedTokenizerBase,
+    chat: list[dict[str, Any]],
+    turn: int,
+    text: str,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> tuple[int, int] | None:
+    """An assistant turn with tool calls, as the template renders it: from the end of the
+    conversation before it (with the generation prompt) to the end of the conversation through
+    it, when both are literal prefixes of the full text. None otherwise."""
+    start = _content_floor(tokenizer, chat, turn, text, tools)
+    try:
+        through = _render(tokenizer, chat[: turn + 1], prompt=False, tools=tools)
+    except Exception:
+        return None
+    if start is None or not text.startswith(through) or len(through) <= start:
+        return None
+    return start, len(through.rstrip())
+
+
 def _assistant_spans(
-    tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], text: str, where: str
+    tokenizer: PreTrainedTokenizerBase,
+    chat: list[dict[str, Any]],
+    text: str,
+    where: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[tuple[int, int]]:
     """Character spans of each assistant message's content in the rendered ``text``.
 
@@ -249,10 +254,23 @@ def _assistant_spans(
     spans: list[tuple[int, int]] = []
     cursor = 0
     for turn, message in enumerate(chat):
-        content = str(message.get("content", ""))
+        content = str(message.get("content") or "")
         start = cursor
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            # The calls are rendered by the template in its own syntax: the whole turn, as it
+            # renders it, is what the model emits.
+            span = _turn_span(tokenizer, chat, turn, text, tools)
+            if span is None:
+                raise DatasetError(
+                    f"{where}: expected the chat template to render assistant message {turn}'s "
+                    "tool calls as a literal continuation of the conversation before it, found "
+                    "another rendering (the loss mask cannot be placed)"
+                )
+            spans.append(span)
+            cursor = span[1]
+            continue
         if message["role"] == "assistant":
-            floor = _content_floor(tokenizer, chat, turn, text)
+            floor = _content_floor(tokenizer, chat, turn, text, tools)
             start = max(start, floor if floor is not None else 0)
         found, needle = -1, content
         for needle in dict.fromkeys((content, content.strip())):
@@ -263,7 +281,7 @@ def _assistant_spans(
             if message["role"] == "assistant":
                 raise DatasetError(
                     f"{where}: expected assistant message {turn}'s content in the text rendered "
-                    f"by the chat template, found no occurrence of {_excerpt(content)} "
+                    f"by the chat template, found no occurrence of {excerpt(content)} "
                     f"after character {start}"
                 )
             continue
@@ -286,6 +304,7 @@ def tokenize_conversation(
     max_length: int,
     *,
     where: str = "conversation",
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> TokenizedSample:
     """Render ``messages`` with the tokenizer's chat template, tokenize, and mask the loss.
 
@@ -299,7 +318,9 @@ def tokenize_conversation(
 
     ``where`` (file:line, say) prefixes error messages.
     """
-    return tokenize_conversations(tokenizer, [messages], max_length, wheres=[where])[0]
+    return tokenize_conversations(tokenizer, [messages], max_length, wheres=[where], tools=[tools])[
+        0
+    ]
 
 
 def tokenize_conversations(
@@ -308,6 +329,7 @@ def tokenize_conversations(
     max_length: int,
     *,
     wheres: Sequence[str] | None = None,
+    tools: Sequence[Sequence[Mapping[str, Any]] | None] | None = None,
 ) -> list[TokenizedSample]:
     """``tokenize_conversation`` for many conversations at once, with the same result for each.
 
@@ -327,10 +349,11 @@ def tokenize_conversations(
         return []
     texts: list[str] = []
     spans: list[list[tuple[int, int]]] = []
-    for messages, where in zip(conversations, wheres, strict=True):
+    tools = tools or [None] * len(conversations)
+    for messages, where, schema in zip(conversations, wheres, tools, strict=True):
         chat = _normalize(messages)
-        texts.append(_render(tokenizer, chat, prompt=False))
-        spans.append(_assistant_spans(tokenizer, chat, texts[-1], where))
+        texts.append(_render(tokenizer, chat, prompt=False, tools=schema))
+        spans.append(_assistant_spans(tokenizer, chat, texts[-1], where, schema))
     # The template already writes BOS and friends into the text: add_special_tokens would double them.
     encodings = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     special = np.fromiter(_special_ids(tokenizer), dtype=np.int64)
@@ -344,6 +367,7 @@ def tokenize_conversations(
                 input_ids=ids[:max_length].copy(),
                 loss_mask=mask[:max_length].copy(),
                 truncated=len(ids) > max_length,
+                original_tokens=len(ids),
             )
         )
     return samples
@@ -389,20 +413,14 @@ def _loss_mask(
 _FILE_DIGESTS: dict[tuple[str, int, int, int, int], str] = {}
 
 
+def fingerprint_dataset(dataset: Path, fmt: str = "auto", split: str | None = None) -> str:
+    """xxh3-128 of the dataset's bytes (every file of it): a resume refuses a changed one."""
+    return fingerprint_files(dataset_files(dataset, fmt, split), _FILE_DIGESTS)
+
+
 def fingerprint_file(path: Path) -> str:
-    """xxh3-128 hex digest of a file's bytes, read in 8 MiB blocks (datasets can be large);
-    computed once per version of the file in this process."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    known = _FILE_DIGESTS.get(key)
-    if known is not None:
-        return known
-    digest = xxhash.xxh3_128()
-    with path.open("rb") as source:
-        while block := source.read(_FINGERPRINT_BLOCK):
-            digest.update(block)
-    _FILE_DIGESTS[key] = digest.hexdigest()
-    return _FILE_DIGESTS[key]
+    """xxh3-128 hex digest of one file's bytes (computed once per version of the file)."""
+    return source_fingerprint(path, _FILE_DIGESTS)
 
 
 def fingerprint_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import xxhash
 
-from hsx.dataset import fingerprint_file
+from hsx.dataset import fingerprint_dataset
 from hsx.errors import StoreError
 from hsx.planning import config_hash
 from settings import HsxSettings
@@ -42,7 +42,8 @@ FROZEN_INPUTS: dict[str, str] = {
     "layer_ids": "captured layer ids (vLLM convention)",
     "max_length": "data.max_length",
     "max_samples": "data.max_samples",
-    "dataset_fingerprint": "the dataset file's content",
+    "dataset_fingerprint": "the dataset's content (every file of it)",
+    "dataset_reading": "data.format, data.split, data.columns and data.on_overlength",
     "vocabulary_fingerprint": "the tokenizer",
     "chat_template_fingerprint": "the chat template",
     "engine_dtype": "engine.dtype",
@@ -124,11 +125,25 @@ def frozen_inputs(
         "layer_ids": list(layer_ids),
         "max_length": settings.data.max_length,
         "max_samples": settings.data.max_samples,
-        "dataset_fingerprint": fingerprint_file(settings.dataset),
+        "dataset_fingerprint": fingerprint_dataset(
+            settings.dataset, settings.data.format, settings.data.split
+        ),
+        "dataset_reading": dataset_reading(settings),
         "vocabulary_fingerprint": vocabulary_fingerprint(tokenizer),
         "chat_template_fingerprint": chat_template_fingerprint(tokenizer),
         "engine_dtype": engine_dtype,
         "logical_dtype": stored_dtype,
+    }
+
+
+def dataset_reading(settings: HsxSettings) -> dict[str, Any]:
+    """How the dataset's rows become samples: another reading of the same bytes is other data."""
+    data = settings.data
+    return {
+        "format": data.format,
+        "split": data.split,
+        "columns": dict(sorted(data.columns.items())),
+        "on_overlength": data.on_overlength,
     }
 
 

@@ -84,7 +84,10 @@ def validate_inputs(settings: HsxSettings) -> int:
 
     check_model_inputs(settings.model, spec.config, settings.engine)
     check_store_url(settings.store)
-    samples = validate_dataset(settings.dataset, settings.data.max_line_bytes)
+    data = settings.data
+    samples = validate_dataset(
+        settings.dataset, data.max_line_bytes, data.format, data.split, data.columns
+    )
     check_resume(settings)
     return samples
 

@@ -50,6 +50,9 @@ class Plan:
     rows_per_chunk: int
     # Every sample's token ids and loss mask, in sample order (written into a new store).
     tokens: TokenSpool | None = None
+    # Samples longer than data.max_length: {"policy", "truncated": [[sample, tokens], ...],
+    # "skipped": [[row, tokens], ...]} (sample: index in the store; row: where it was read).
+    overlength: dict[str, Any] | None = None
 
     def close(self) -> None:
         if self.tokens is not None:

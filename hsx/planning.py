@@ -13,9 +13,11 @@ import numpy as np
 
 from hsx.dataset import (
     Conversation,
-    fingerprint_file,
+    Overlength,
+    fingerprint_dataset,
     fingerprint_tokenizer,
     iter_conversations,
+    pretokenized_sample,
     tokenize_conversations,
 )
 from hsx.errors import ConfigError
@@ -119,7 +121,9 @@ def build_plan(
     The returned plan owns ``plan.tokens``: close it (``plan.close()``) when the store exists."""
     settings = resolve_lengths(settings, config)
     spool = TokenSpool()
-    fingerprint = dataset_fingerprint or fingerprint_file(settings.dataset)
+    fingerprint = dataset_fingerprint or fingerprint_dataset(
+        settings.dataset, settings.data.format, settings.data.split
+    )
     try:
         return _build_plan(settings, tokenizer, config, layer_ids, stored_dtype, spool, fingerprint)
     except BaseException:
@@ -143,16 +147,29 @@ def _build_plan(
     lengths: list[int] = []
     offsets: list[int] = []
     lines: list[int] = []
-    limit = settings.data.max_samples
+    data = settings.data
+    overlength = Overlength(data.on_overlength, max_length)
+    vocabulary = len(tokenizer)
 
     def tokenize(batch: list[Conversation]) -> None:
-        samples = tokenize_conversations(
-            tokenizer,
-            [conversation.messages for conversation in batch],
-            max_length,
-            wheres=[f"{settings.dataset}:{c.line_number}" for c in batch],
+        chats = [c for c in batch if not c.pretokenized]
+        rendered = iter(
+            tokenize_conversations(
+                tokenizer,
+                [c.messages for c in chats],
+                max_length,
+                wheres=[c.where for c in chats],
+                tools=[c.tools for c in chats],
+            )
         )
-        for conversation, sample in zip(batch, samples, strict=True):
+        for conversation in batch:
+            sample = (
+                pretokenized_sample(conversation, max_length, vocabulary)
+                if conversation.pretokenized
+                else next(rendered)
+            )
+            if not overlength.keep(conversation, sample, len(lengths)):
+                continue
             spool.append(sample.input_ids, sample.loss_mask)
             lengths.append(sample.num_tokens)
             offsets.append(conversation.byte_offset)
@@ -160,13 +177,18 @@ def _build_plan(
         batch.clear()
 
     batch: list[Conversation] = []
-    for conversation in iter_conversations(settings.dataset, settings.data.max_line_bytes):
-        if limit is not None and conversation.index >= limit:
+    conversations = iter_conversations(
+        settings.dataset, data.max_line_bytes, data.format, data.split, data.columns
+    )
+    for conversation in conversations:
+        # max_samples counts samples read (a skipped one included): the same rows every run.
+        if data.max_samples is not None and conversation.index >= data.max_samples:
             break
         batch.append(conversation)
         if len(batch) == _TOKENIZE_BATCH:
             tokenize(batch)
     tokenize(batch)
+    overlength.report(len(lengths))
     lengths_np = np.asarray(lengths, dtype=np.int32)
     layout = settings.layout
     total = int(lengths_np.sum())
@@ -221,6 +243,7 @@ def _build_plan(
         total_rows=total_rows,
         rows_per_chunk=rows_per_chunk,
         tokens=spool,
+        overlength=overlength.record(),
     )
 
 

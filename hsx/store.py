@@ -245,6 +245,8 @@ class ExtractionStore:
             "total_tokens": plan.total_tokens,
             "rows_per_chunk": c,
             "work_chunks": [asdict(chunk) for chunk in plan.chunks],
+            # Which samples were cut to data.max_length (with their full length) or left out.
+            "overlength": plan.overlength or {},
             # The sample index is written once, here: its digests let verify find a flipped
             # byte in it (no commit record covers it), and planning rewrite it.
             "sample_index_checksums": {

@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from settings.strict import StrictSection, refuse_unknown_keys, unknown_keys_message
 
@@ -207,6 +212,9 @@ class CaptureSettings(StrictSection):
         return value
 
 
+COLUMN_NAMES = ("messages", "id", "tools", "input_ids", "loss_mask")
+
+
 class DataSettings(StrictSection):
     """The dataset and how it is tokenized."""
 
@@ -223,6 +231,25 @@ class DataSettings(StrictSection):
     max_samples: int | None = Field(
         None, ge=1, description="Use only the first N conversations (None = all)."
     )
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow"] = Field(
+        "auto",
+        description="How the dataset is read. auto: from the path (.jsonl, .json: a JSON array "
+        "or JSON lines, .parquet, a folder written by datasets' save_to_disk = arrow).",
+    )
+    split: str | None = Field(
+        None, description="The split of a DatasetDict folder (save_to_disk of several splits)."
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="The dataset's names for hsx's columns, e.g. {'messages': 'dialog', 'id': "
+        "'qid'}: messages (or conversations), id, tools, input_ids, loss_mask.",
+    )
+    on_overlength: Literal["truncate", "skip", "fail"] = Field(
+        "truncate",
+        description="A sample longer than max_length: truncate it (its first max_length tokens), "
+        "skip it (left out of the store), or fail naming it. Truncated and skipped samples are "
+        "counted in the run summary, logged, and listed in the store with their lengths.",
+    )
     max_line_bytes: int = Field(
         8 * 2**20,
         ge=1024,
@@ -232,6 +259,16 @@ class DataSettings(StrictSection):
         "machine's whole memory in the tokenizer). 8 MiB holds a conversation of well over a "
         "million tokens.",
     )
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(COLUMN_NAMES))
+        if unknown:
+            raise ValueError(
+                f"data.columns: expected keys among {list(COLUMN_NAMES)}, found {unknown}"
+            )
+        return value
 
 
 class StoreSettings(StrictSection):
@@ -340,7 +377,11 @@ class HsxSettings(BaseSettings):
     )
 
     model: Path = Field(..., description="Model folder: config.json, tokenizer, safetensors.")
-    dataset: Path = Field(..., description="JSONL file of conversations (OpenAI messages form).")
+    dataset: Path = Field(
+        ...,
+        description="Conversations: a JSONL, JSON or Parquet file, a save_to_disk folder, a "
+        "folder of such files, or a glob (data.format says how they are read).",
+    )
     store: str = Field(
         ..., description="Zarr store URL: a local path, file://, memory://, s3://, gs://, ..."
     )
@@ -381,7 +422,14 @@ class SettingsWithoutEnvironment(HsxSettings):
     probe's reduced model): a user's ``HSX_`` variables neither change nor fail them."""
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: Any, init_settings: Any, *_: Any) -> Any:
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings,)
 
     @model_validator(mode="before")

@@ -58,30 +58,61 @@ class ServerPool:
         self._clients: dict[str, ServerEngine] = {}
         self._down_since: dict[str, float] = {}
         self._last_error: dict[str, str] = {}
+        self._connecting: set[str] = set()  # connect attempts in flight (threads of their own)
+        self._refused: dict[str, ConfigError] = {}  # url -> why it serves nothing for this run
+        self._closed = False
         self._lock = threading.Lock()
 
-    def _connect(self, url: str) -> ServerEngine | None:
-        """A live client of ``url``, connecting when there is none; None while it is down.
-        ServerMismatchError for a server that serves something else."""
+    def _start_connect_locked(self, url: str) -> None:
+        """Connect to ``url`` in a thread of its own unless it is connected, being connected,
+        or was down less than RECHECK_S ago. The pool's lock is never held over network I/O
+        (the /hsx/info fetch and the handshake take up to a minute): chunks that finish
+        release, and chunks that start acquire a live server, meanwhile."""
         client = self._clients.get(url)
         if client is not None and client.alive:
-            return client
+            return
         if client is not None:
             self._drop_locked(client)
+        if url in self._connecting or self._closed:
+            return
         if time.monotonic() - self._down_since.get(url, -1e9) < RECHECK_S:
-            return None
+            return
+        self._connecting.add(url)
+        threading.Thread(
+            target=self._connect, args=(url,), name=f"hsx-connect-{url}", daemon=True
+        ).start()
+
+    def _connect(self, url: str) -> None:
+        """One attempt (no wait on one server: the pool waits across all of them)."""
+        client: ServerEngine | None = None
+        error: str | None = None
+        refusal: ConfigError | None = None
         try:
-            # No wait on one server: the pool waits across all of them.
             client = ServerEngine(
                 url, self._expected, self._hidden_size, self._ring_bytes, 0.0, self._api_key
             )
-        except EngineError as exc:
+        except ConfigError as exc:  # serves something else, or not an `hsx serve` at all
+            refusal, error = exc, str(exc)
+        except Exception as exc:  # down, restarting, a failed handshake: asked again later
+            error = str(exc) if isinstance(exc, EngineError) else repr(exc)
+        with self._lock:
+            self._connecting.discard(url)
+            if client is not None and not self._closed:
+                self._clients[url] = client
+                self._down_since.pop(url, None)
+                self._refused.pop(url, None)
+                return
             self._down_since[url] = time.monotonic()
-            self._last_error[url] = str(exc)
-            return None
-        self._clients[url] = client
-        self._down_since.pop(url, None)
-        return client
+            self._last_error[url] = error or "pool closed"
+            if refusal is not None:
+                self._refused[url] = refusal
+        if client is not None:  # connected after the pool closed
+            client.close()
+
+    def _live_locked(self) -> list[ServerEngine]:
+        for url in self.urls:
+            self._start_connect_locked(url)
+        return [c for c in self._clients.values() if c.alive]
 
     def acquire(self) -> ServerEngine:
         """The server for the next chunk (the one with the fewest chunks, then the fewest
@@ -91,19 +122,22 @@ class ServerPool:
         deadline = time.monotonic() + self._wait_s
         while True:
             with self._lock:
-                live = [c for c in (self._connect(url) for url in self.urls) if c is not None]
+                if self._refused:
+                    raise next(iter(self._refused.values()))
+                live = self._live_locked()
                 if live:
                     # Chunks first: chunks that start together have queued nothing yet.
                     chosen = min(live, key=lambda c: (c.chunks, c.outstanding_tokens))
                     chosen.chunks += 1
                     return chosen
-            if time.monotonic() >= deadline:
+                connecting = bool(self._connecting)
+            if time.monotonic() >= deadline and not connecting:
                 raise EngineError(
                     f"engine.url: expected one of {len(self.urls)} servers to answer within "
                     f"{self._wait_s:g} s (engine.server_wait_s), found none: "
                     + "; ".join(f"{u}: {self._last_error.get(u, 'down')}" for u in self.urls)
                 )
-            time.sleep(0.5)
+            time.sleep(0.05)
 
     def check(self, wait_s: float) -> PoolReport:
         """Connect to every server (waiting up to ``wait_s`` for at least one to answer, and
@@ -112,25 +146,28 @@ class ServerPool:
         deadline = time.monotonic() + wait_s
         while True:
             with self._lock:
+                self._live_locked()
                 for url in self.urls:
-                    if url in report.ready or url in report.mismatched:
-                        continue
-                    try:
-                        client = self._connect(url)
-                    except ServerMismatchError as exc:
-                        report.mismatched[url] = exc.problems
-                        continue
-                    except ConfigError as exc:  # not an `hsx serve` server at all
-                        report.mismatched[url] = [str(exc)]
-                        continue
-                    if client is not None:
+                    client = self._clients.get(url)
+                    if client is not None and client.alive:
                         report.ready[url] = client.info
                         report.unreachable.pop(url, None)
-                    else:
-                        report.unreachable[url] = self._last_error.get(url, "down")
-            if report.ready or report.mismatched or time.monotonic() >= deadline:
+                    elif url in self._refused:
+                        refusal = self._refused[url]
+                        report.mismatched[url] = (
+                            refusal.problems
+                            if isinstance(refusal, ServerMismatchError)
+                            else [str(refusal)]
+                        )
+                    elif url not in self._connecting and url in self._last_error:
+                        report.unreachable[url] = self._last_error[url]
+                tried_all = not self._connecting and all(
+                    u in report.ready or u in report.mismatched or u in report.unreachable
+                    for u in self.urls
+                )
+            if tried_all and (report.ready or report.mismatched or time.monotonic() >= deadline):
                 return report
-            time.sleep(0.5)
+            time.sleep(0.05)
 
     def release(self, client: ServerEngine) -> None:
         """A chunk acquired from ``client`` is over (committed or failed)."""
@@ -151,6 +188,7 @@ class ServerPool:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for client in list(self._clients.values()):
                 client.close()
             self._clients.clear()

@@ -44,6 +44,26 @@ def _conversation(**fields: object) -> bytes:
 
 LINE_CASES: list[tuple[str, list[bytes], str]] = [
     (
+        "image-part",
+        [GOOD_LINE, _conversation(messages=[{"role": "user", "content": [{"type": "image_url"}]}])],
+        r"data\.jsonl:2: message 0: part 0: expected text parts only .* found \{'type': 'image_url'\}",
+    ),
+    (
+        "reserved-id",
+        [GOOD_LINE, _conversation(id="hsx:0", messages=[{"role": "assistant", "content": "x"}])],
+        r"data\.jsonl:2: expected an 'id' not starting with 'hsx:' .* found 'hsx:0'",
+    ),
+    (
+        "sharegpt-speaker",
+        [GOOD_LINE, _conversation(conversations=[{"from": "bot", "value": "x"}])],
+        r"data\.jsonl:2: message 0: expected 'role', or a ShareGPT 'from' in .* found 'bot'",
+    ),
+    (
+        "pretokenized-mask-length",
+        [GOOD_LINE, _conversation(input_ids=[1, 2, 3], loss_mask=[0, 1])],
+        r"data\.jsonl:2: expected 'loss_mask' as long as 'input_ids' \(3\), found 2",
+    ),
+    (
         "not-json",
         [GOOD_LINE, b"{oops"],
         r"data\.jsonl:2: expected a JSON object, found text that is not JSON .*'\{oops'",
@@ -55,8 +75,9 @@ LINE_CASES: list[tuple[str, list[bytes], str]] = [
     ),
     (
         "no-messages-key",
-        [GOOD_LINE, _conversation(conversation=[])],
-        r"data\.jsonl:2: expected a non-empty 'messages' list, found no 'messages' key",
+        [GOOD_LINE, _conversation(chat=[])],
+        r"data\.jsonl:2: expected a non-empty 'messages' list, found no messages or "
+        r"conversations or conversation key",
     ),
     (
         "messages-not-a-list",
@@ -71,19 +92,20 @@ LINE_CASES: list[tuple[str, list[bytes], str]] = [
     (
         "message-not-an-object",
         [GOOD_LINE, _conversation(messages=["hi"])],
-        r"data\.jsonl:2: message 0: expected an object with string 'role' and 'content', "
-        r"found str 'hi'",
+        r"data\.jsonl:2: message 0: expected an object with 'role' and 'content' \(or ShareGPT's "
+        r"'from' and 'value'\), found str 'hi'",
     ),
     (
         "content-not-a-string",
         [GOOD_LINE, _conversation(messages=[{"role": "user", "content": 5}])],
-        r"data\.jsonl:2: message 0: expected string 'role' and 'content', found role='user' "
-        r"content=5",
+        r"data\.jsonl:2: message 0: expected string 'content' \(or a list of text parts\), "
+        r"found int 5",
     ),
     (
         "role-not-a-string",
         [GOOD_LINE, _conversation(messages=[{"role": ["user"], "content": "x"}])],
-        r"data\.jsonl:2: message 0: expected string 'role' and 'content', found role=\['user'\]",
+        r"data\.jsonl:2: message 0: expected a role in \('system', 'user', 'assistant', 'tool'\), "
+        r"found \['user'\]",
     ),
     (
         "unknown-role",
@@ -98,8 +120,8 @@ LINE_CASES: list[tuple[str, list[bytes], str]] = [
     ),
     (
         "id-not-a-string",
-        [GOOD_LINE, _conversation(id=7, **GOOD)],
-        r"data\.jsonl:2: expected 'id' to be a string, found int 7",
+        [GOOD_LINE, _conversation(id=[7], **GOOD)],
+        r"data\.jsonl:2: expected 'id' to be a string, found list \[7\]",
     ),
     (
         "duplicate-id",
@@ -108,7 +130,8 @@ LINE_CASES: list[tuple[str, list[bytes], str]] = [
             _conversation(id="b", **GOOD),
             _conversation(id="a", **GOOD),
         ],
-        r"data\.jsonl:3: expected each 'id' once, found id 'a' again: lines 1 and 3 both use it",
+        r"data\.jsonl:3: expected each id once, found id 'a' again: \S+data\.jsonl:1 and "
+        r"\S+data\.jsonl:3 both use it",
     ),
     (
         "invalid-utf8",
@@ -116,11 +139,11 @@ LINE_CASES: list[tuple[str, list[bytes], str]] = [
         r"data\.jsonl:2: expected a JSON object in UTF-8 text, found a byte that is not UTF-8 "
         r"\(invalid continuation byte: b'\\xe9' at byte 46 of the line\)",
     ),
-    ("empty-file", [], r"data\.jsonl: expected at least one conversation, found an empty file"),
+    ("empty-file", [], r"data\.jsonl: expected at least one conversation, found an empty dataset"),
     (
         "blank-lines-only",
         [b"", b"   ", b""],
-        r"data\.jsonl: expected at least one conversation, found an empty file \(or only blank",
+        r"data\.jsonl: expected at least one conversation, found an empty dataset \(or only blank",
     ),
 ]
 
@@ -146,11 +169,13 @@ def test_a_dataset_path_that_is_no_file(kind: str, tiny_llama: Path, tmp_path: P
     if kind == "directory":
         path.mkdir()
     store = tmp_path / "store"
-    found = "nothing" if kind == "missing" else "a directory"
-    assert_refused(
-        extract(tiny_llama, path, store),
-        re.escape(f"{path}: expected a JSONL dataset file, found {found} at that path"),
+    expected = (
+        f"{path}: expected a dataset file or folder, found nothing there"
+        if kind == "missing"
+        else f"{path}: expected a save_to_disk folder (dataset_info.json, state.json or "
+        "dataset_dict.json) or files ending in"
     )
+    assert_refused(extract(tiny_llama, path, store), re.escape(expected))
     assert_nothing_written(store)
 
 

@@ -11,7 +11,6 @@ import pytest
 import xxhash
 
 from hsx.dataset import (
-    Conversation,
     _loss_mask,
     fingerprint_file,
     fingerprint_tokenizer,
@@ -72,16 +71,19 @@ GOOD = json.dumps({"messages": chat(("user", "hi"), ("assistant", "hello"))})
         ('{"messages": [', "not JSON"),
         ("[1, 2]", "found list"),
         ('"just a string"', "found str"),
-        ('{"id": "x"}', "no 'messages' key"),
+        ('{"id": "x"}', "found no messages or conversations or conversation key"),
         ('{"messages": "hi"}', "'hi'"),
         ('{"messages": []}', "found []"),
         ('{"messages": ["hi"]}', "found str 'hi'"),
-        ('{"messages": [{"role": 1, "content": "x"}]}', "role=1"),
-        ('{"messages": [{"role": "user"}]}', "content=None"),
-        ('{"messages": [{"role": "assistant", "content": ["x"]}]}', "content=['x']"),
+        ('{"messages": [{"role": 1, "content": "x"}]}', "expected a role in"),
+        ('{"messages": [{"role": "user"}]}', "found NoneType None"),
+        ('{"messages": [{"role": "assistant", "content": ["x"]}]}', "text parts only"),
+        ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "image_url"),
         ('{"messages": [{"role": "bot", "content": "x"}]}', "'bot'"),
         ('{"messages": [{"role": "user", "content": "x"}]}', "['user']"),
-        ('{"id": 7, "messages": [{"role": "assistant", "content": "x"}]}', "found int 7"),
+        ('{"id": [7], "messages": [{"role": "assistant", "content": "x"}]}', "found list [7]"),
+        ('{"id": "hsx:3", "messages": [{"role": "assistant", "content": "x"}]}', "'hsx:'"),
+        ('{"conversations": [{"from": "bot", "value": "x"}]}', "ShareGPT 'from'"),
     ],
 )
 def test_bad_line_names_file_line_and_found(tmp_path: Path, bad_line: str, found: str) -> None:
@@ -104,13 +106,13 @@ def test_invalid_utf8_names_line(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "absent.jsonl"
     with pytest.raises(
-        DatasetError, match=rf"{path}: expected a JSONL dataset file, found nothing"
+        DatasetError, match=rf"{path}: expected a dataset file or folder, found nothing"
     ):
         validate_dataset(path)
 
 
 def test_directory_is_not_a_dataset(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match="found a directory"):
+    with pytest.raises(DatasetError, match=r"expected a save_to_disk folder .* found \[\]"):
         validate_dataset(tmp_path)
 
 
@@ -142,10 +144,10 @@ def test_blank_lines_skipped_and_indices(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "data.jsonl", ["", GOOD, "   ", with_id, ""])
     conversations = list(iter_conversations(path))
     assert [(c.index, c.line_number, c.sample_id) for c in conversations] == [
-        (0, 2, "line-2"),
+        (0, 2, "hsx:0"),
         (1, 4, "abc"),
     ]
-    assert conversations[1].messages == (("user", "q"), ("assistant", "a"))
+    assert conversations[1].messages == tuple(chat(("user", "q"), ("assistant", "a")))
     assert conversations[1].as_chat() == chat(("user", "q"), ("assistant", "a"))
     assert validate_dataset(path) == 2
 
@@ -240,9 +242,9 @@ def test_repeated_or_ambiguous_content_gets_its_own_span(
 
 
 def test_tuple_and_dict_messages_agree(tokenizer: Any) -> None:
-    conversation = Conversation(0, 1, "x", (("user", "hi"), ("assistant", "hello")))
-    from_tuples = tokenize_conversation(tokenizer, conversation.messages, max_length=64)
-    from_dicts = tokenize_conversation(tokenizer, conversation.as_chat(), max_length=64)
+    turns = (("user", "hi"), ("assistant", "hello"))
+    from_tuples = tokenize_conversation(tokenizer, turns, max_length=64)
+    from_dicts = tokenize_conversation(tokenizer, chat(*turns), max_length=64)
     assert np.array_equal(from_tuples.input_ids, from_dicts.input_ids)
     assert np.array_equal(from_tuples.loss_mask, from_dicts.loss_mask)
 
@@ -452,3 +454,26 @@ def test_line_byte_limit_is_exact_and_names_the_line(tmp_path: Path) -> None:
     path.write_text(fits + "\n" + fits.replace('"x', '"xx') + "\n")
     with pytest.raises(DatasetError, match=r"data.jsonl:2: expected a line of at most 1,024 bytes"):
         list(iter_conversations(path, max_line_bytes=limit))
+
+
+def test_a_dataset_dict_needs_its_split(tmp_path: Path) -> None:
+    """A save_to_disk folder of several splits is read by the split named, refused without
+    one naming the splits; a file of an unknown kind is refused naming data.format."""
+    import datasets
+
+    rows = [
+        {"id": f"r{i}", "messages": chat(("user", "q"), ("assistant", f"a{i}"))} for i in range(3)
+    ]
+    folder = tmp_path / "saved"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:1])}
+    ).save_to_disk(str(folder))
+    with pytest.raises(DatasetError, match=r"splits \['train', 'test'\]: expected data.split"):
+        validate_dataset(folder)
+    assert validate_dataset(folder, split="train") == 3
+    assert [c.sample_id for c in iter_conversations(folder, split="test")] == ["r0"]
+    text = tmp_path / "data.txt"
+    text.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(DatasetError, match=r"found 'data\.txt': set data\.format"):
+        validate_dataset(text)
+    assert validate_dataset(text, fmt="jsonl") == 1

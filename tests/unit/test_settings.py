@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -159,3 +161,18 @@ def test_partial_settings_merge_over_the_deployments_section_by_section() -> Non
     assert settings.engine.dtype == "bfloat16" and settings.engine.tensor_parallel_size == 1
     with pytest.raises(ValueError, match=r"max_model_lenn.*max_model_len"):
         HsxSettings.model_validate(merge_partial(defaults, {"engine": {"max_model_lenn": 9}}))
+
+
+def test_a_run_hsx_makes_itself_ignores_the_users_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The preflight probe's reduced-model run: a user's HSX_ variables (even a misspelt one,
+    which the entry point refuses before) neither change nor fail it."""
+    from settings.models import SettingsWithoutEnvironment
+
+    monkeypatch.setenv("HSX_DATA__MAX_SAMPLES", "3")
+    monkeypatch.setenv("HSX_DTYPE", "float32")
+    probe = SettingsWithoutEnvironment(model=Path("m"), dataset=Path("d"), store="memory://p")
+    assert probe.data.max_samples is None and probe.engine.dtype == "auto"
+    with pytest.raises(ValidationError, match="did you mean model"):
+        SettingsWithoutEnvironment(modle=Path("m"), dataset=Path("d"), store="memory://p")

@@ -102,6 +102,8 @@ def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:
     labels = {
         "store": "store",
         "samples": "samples",
+        "samples_truncated": "samples truncated to data.max_length",
+        "samples_left_out": "samples left out (longer than data.max_length)",
         "tokens": "tokens",
         "chunks": "work chunks",
         "chunks_extracted_now": "chunks extracted by this run",
@@ -200,7 +202,12 @@ def extract(
     model: Annotated[
         Path, typer.Option(help="Model folder (config.json, tokenizer, safetensors).")
     ],
-    dataset: Annotated[Path, typer.Option(help="JSONL conversations (OpenAI messages form).")],
+    dataset: Annotated[
+        Path,
+        typer.Option(
+            help="Conversations: JSONL, JSON, Parquet, a save_to_disk folder, a folder or a glob."
+        ),
+    ],
     store: Annotated[str, typer.Option(help="Zarr store URL: path, file://, memory://, s3://...")],
     layer_ids: Annotated[
         str | None,

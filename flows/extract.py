@@ -235,6 +235,9 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
     summary = {
         "store": settings.store,
         "samples": plan["samples"],
+        # Longer than data.max_length (data.on_overlength): the store lists each one.
+        "samples_truncated": plan.get("samples_truncated", 0),
+        "samples_left_out": plan.get("samples_left_out", 0),
         "tokens": plan["tokens"],
         "chunks": plan["chunks"],
         "chunks_extracted_now": len(pending) + len(repaired) - len(failed) - len(not_started),

@@ -154,6 +154,8 @@ class PlanSummary:
     chunks: int
     pending: list[int]
     plan_hash: str
+    samples_truncated: int = 0  # longer than data.max_length: cut to it
+    samples_left_out: int = 0  # longer than data.max_length: skipped (data.on_overlength)
 
 
 def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
@@ -212,6 +214,8 @@ def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
         len(plan.chunks),
         pending,
         plan.plan_hash,
+        len((plan.overlength or {}).get("truncated", [])),
+        len((plan.overlength or {}).get("skipped", [])),
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from hsx.dataset import iter_conversations, tokenize_conversation
 from hsx.errors import DatasetError
@@ -161,19 +162,57 @@ def test_overlength_samples_are_truncated_skipped_or_refused_and_recorded(
     limit = sorted(lengths)[len(lengths) // 2]  # about half are longer
     longer = [i for i, n in enumerate(lengths) if n > limit]
     truncated_url = str(tmp_path / "truncated.zarr")
-    plan_and_create_store(
+    truncated = plan_and_create_store(
         make_settings(tiny_llama, path, truncated_url, data={"max_length": limit})
     )
+    assert truncated.samples_truncated == len(longer) and truncated.samples_left_out == 0
     record = ExtractionStore.open(truncated_url).meta["overlength"]
     assert record["policy"] == "truncate" and record["skipped"] == []
     assert record["truncated"] == [[i, lengths[i]] for i in longer]
     skipped_url = str(tmp_path / "skipped.zarr")
     data = {"max_length": limit, "on_overlength": "skip"}
     summary = plan_and_create_store(make_settings(tiny_llama, path, skipped_url, data=data))
-    assert summary.samples == SAMPLES - len(longer)
+    assert summary.samples == SAMPLES - len(longer) == SAMPLES - summary.samples_left_out
     skipped = ExtractionStore.open(skipped_url).meta["overlength"]["skipped"]
     assert skipped == [[f"{path}:{i + 1}", lengths[i]] for i in longer]
     data = {"max_length": limit, "on_overlength": "fail"}
     with pytest.raises(DatasetError, match=rf"{path}:{longer[0] + 1}: expected at most {limit}"):
         plan_and_create_store(make_settings(tiny_llama, path, str(tmp_path / "f.zarr"), data=data))
     assert not (tmp_path / "f.zarr").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_a_parquet_dataset_extracts_the_same_states_as_its_jsonl(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """Through the real engine: the store of the Parquet form equals the JSONL form's, state
+    for state (fp32), apart from provenance."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hsx.extract import RunContext
+    from hsx.pipeline import extract_work_chunk
+    from hsx.reader import HiddenStatesReader
+
+    rows = _rows(sample_dataset)[:12]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet", row_group_size=5)
+    readers = []
+    for path in (jsonl, tmp_path / "rows.parquet"):
+        settings = make_settings(
+            tiny_llama,
+            path,
+            str(tmp_path / f"{path.suffix[1:]}.zarr"),
+            layout={"rows_per_chunk": 64},
+        )
+        for index in plan_and_create_store(settings).pending:
+            extract_work_chunk(settings, index, RunContext("formats"))
+        readers.append(HiddenStatesReader(settings.store))
+    assert len(readers[0]) == len(readers[1]) == 12
+    for index in range(12):
+        first, second = readers[0].sample(index), readers[1].sample(index)
+        assert np.array_equal(first.input_ids.numpy(), second.input_ids.numpy())
+        assert torch.equal(first.hidden_states, second.hidden_states), index

@@ -203,9 +203,10 @@ def extract(
         Path, typer.Option(help="Model folder (config.json, tokenizer, safetensors).")
     ],
     dataset: Annotated[
-        Path,
+        str,
         typer.Option(
-            help="Conversations: JSONL, JSON, Parquet, a save_to_disk folder, a folder or a glob."
+            help="Conversations: JSONL, JSON, Parquet, a save_to_disk folder, a folder or a "
+            "glob; a path or an fsspec URL (s3://...)."
         ),
     ],
     store: Annotated[str, typer.Option(help="Zarr store URL: path, file://, memory://, s3://...")],
@@ -313,7 +314,7 @@ def verify(
         Path | None, typer.Option(help="With --repair: the model folder, to re-extract.")
     ] = None,
     dataset: Annotated[
-        Path | None, typer.Option(help="With --repair: the dataset, to re-extract.")
+        str | None, typer.Option(help="With --repair: the dataset (path or URL), to re-extract.")
     ] = None,
 ) -> None:
     """Re-hash every committed chunk; exit 0 only when every planned chunk verifies."""

@@ -71,7 +71,7 @@ def tag_run(*tags: str) -> None:
 def run_tags(settings: HsxSettings) -> list[str]:
     return [
         f"model:{settings.model.name}",
-        f"dataset:{settings.dataset.name}",
+        f"dataset:{str(settings.dataset).rstrip('/').rsplit('/', 1)[-1]}",
         f"store:{settings.store.rstrip('/').rsplit('/', 1)[-1]}",
     ]
 

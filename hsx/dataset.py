@@ -50,7 +50,7 @@ DEFAULT_MAX_LINE_BYTES = 8 * 2**20  # settings.DataSettings.max_line_bytes
 
 
 def iter_conversations(
-    dataset: Path,
+    dataset: Path | str,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     fmt: str = "auto",
     split: str | None = None,
@@ -81,7 +81,7 @@ def iter_conversations(
 
 
 def validate_dataset(
-    dataset: Path,
+    dataset: Path | str,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     fmt: str = "auto",
     split: str | None = None,
@@ -413,7 +413,7 @@ def _loss_mask(
 _FILE_DIGESTS: dict[tuple[str, int, int, int, int], str] = {}
 
 
-def fingerprint_dataset(dataset: Path, fmt: str = "auto", split: str | None = None) -> str:
+def fingerprint_dataset(dataset: Path | str, fmt: str = "auto", split: str | None = None) -> str:
     """xxh3-128 of the dataset's bytes (every file of it): a resume refuses a changed one."""
     return fingerprint_files(dataset_files(dataset, fmt, split), _FILE_DIGESTS)
 

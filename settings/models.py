@@ -377,10 +377,11 @@ class HsxSettings(BaseSettings):
     )
 
     model: Path = Field(..., description="Model folder: config.json, tokenizer, safetensors.")
-    dataset: Path = Field(
+    dataset: Path | str = Field(
         ...,
         description="Conversations: a JSONL, JSON or Parquet file, a save_to_disk folder, a "
-        "folder of such files, or a glob (data.format says how they are read).",
+        "folder of such files, or a glob (data.format says how they are read); a local path or "
+        "an fsspec URL (s3://bucket/train/*.parquet).",
     )
     store: str = Field(
         ..., description="Zarr store URL: a local path, file://, memory://, s3://, gs://, ..."
@@ -397,6 +398,14 @@ class HsxSettings(BaseSettings):
     def _known_keys_only(cls, data: Any) -> Any:
         # HSX_SERVER__*: `hsx serve`'s own section (settings.serve), which may share the file.
         return refuse_unknown_keys(cls, data, frozenset({"server"}))
+
+    @field_validator("dataset", mode="before")
+    @classmethod
+    def _url_or_path(cls, value: Any) -> Any:
+        # A URL stays text (a Path would fold "s3://b" into "s3:/b"); anything else is a path.
+        if isinstance(value, str) and "://" not in value:
+            return Path(value)
+        return value
 
     @model_validator(mode="after")
     def _samples_fit_the_engine(self) -> HsxSettings:

@@ -10,7 +10,7 @@ parsed whole). Nothing is fetched from a hub.
 
 from __future__ import annotations
 
-import glob
+import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,10 +37,35 @@ def excerpt(value: object) -> str:
 
 @dataclass(frozen=True)
 class DatasetFile:
-    """One file (or save_to_disk folder) of a dataset, and how it is read."""
+    """One file (or save_to_disk folder) of a dataset, and how it is read: a local path or an
+    fsspec URL (s3://, gs://, ...), read through its filesystem."""
 
-    path: Path
+    name: str  # as the user would write it: the local path, or the URL
     format: str  # one of FORMATS
+    fs: Any = None  # fsspec filesystem
+    path: str = ""  # in ``fs``
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def local(self) -> bool:
+        return "file" in _protocols(self.fs)
+
+    def open(self) -> Any:
+        """A binary file object with ``readline(limit)`` (fsspec's remote files take no
+        limit: they are wrapped in a buffered reader)."""
+        handle = self.fs.open(self.path, "rb")
+        return handle if self.local else io.BufferedReader(handle, buffer_size=1 << 20)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _name(fs: Any, path: str) -> str:
+    return path if "file" in _protocols(fs) else str(fs.unstrip_protocol(path))
 
 
 @dataclass(frozen=True)
@@ -53,66 +78,84 @@ class SourceRow:
     byte_offset: int  # of the line in a JSONL file; the row's index in other formats
 
 
-def dataset_files(dataset: Path, fmt: str = "auto", split: str | None = None) -> list[DatasetFile]:
+def dataset_files(
+    dataset: Path | str, fmt: str = "auto", split: str | None = None
+) -> list[DatasetFile]:
     """The files ``dataset`` names (a file, a save_to_disk folder, a folder of data files, or a
-    glob), in a stable order, each with its format (``fmt``, or detected from the path)."""
+    glob; a local path or an fsspec URL), in a stable order, each with its format (``fmt``, or
+    detected from the path)."""
+    import fsspec.core
+
     text = str(dataset)
+    fs, root = fsspec.core.url_to_fs(text)
     if any(char in text for char in "*?["):
-        paths = [Path(p) for p in sorted(glob.glob(text))]
+        paths = sorted(fs.glob(root))
         if not paths:
-            raise DatasetError(f"{dataset}: expected the glob to match dataset files, found none")
-    elif dataset.is_dir() and not _is_saved_dataset(dataset):
-        paths = sorted(p for p in dataset.iterdir() if p.suffix in _SUFFIXES)
+            raise DatasetError(f"{text}: expected the glob to match dataset files, found none")
+    elif fs.isdir(root) and not _is_saved_dataset(fs, root):
+        listing = sorted(str(p) for p in fs.ls(root, detail=False))
+        paths = [p for p in listing if _suffix(p) in _SUFFIXES]
         if not paths:
             raise DatasetError(
-                f"{dataset}: expected a save_to_disk folder (dataset_info.json, state.json or "
+                f"{text}: expected a save_to_disk folder (dataset_info.json, state.json or "
                 f"dataset_dict.json) or files ending in {sorted(_SUFFIXES)}, found "
-                f"{sorted(p.name for p in dataset.iterdir())[:8]}"
+                f"{[p.rsplit('/', 1)[-1] for p in listing][:8]}"
             )
-    elif dataset.exists():
-        paths = [dataset]
+    elif fs.exists(root):
+        paths = [root]
     else:
-        raise DatasetError(f"{dataset}: expected a dataset file or folder, found nothing there")
-    return [DatasetFile(_with_split(path, split), _format_of(path, fmt)) for path in paths]
+        raise DatasetError(f"{text}: expected a dataset file or folder, found nothing there")
+    files = []
+    for path in paths:
+        path = _with_split(fs, path, split)
+        # One file named as the user named it (errors quote the user's own path).
+        name = text if path == root and len(paths) == 1 else _name(fs, path)
+        files.append(DatasetFile(name, _format_of(fs, path, fmt), fs, path))
+    return files
 
 
-def _is_saved_dataset(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in ("state.json", "dataset_dict.json"))
+def _suffix(path: str) -> str:
+    name = path.rsplit("/", 1)[-1]
+    return "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
 
 
-def _with_split(path: Path, split: str | None) -> Path:
+def _is_saved_dataset(fs: Any, folder: str) -> bool:
+    return any(fs.isfile(f"{folder}/{name}") for name in ("state.json", "dataset_dict.json"))
+
+
+def _with_split(fs: Any, path: str, split: str | None) -> str:
     """A DatasetDict folder's split (data.split), refused naming the splits it has."""
-    listing = path / "dataset_dict.json"
-    if not listing.is_file():
+    listing = f"{path}/dataset_dict.json"
+    if not fs.isfile(listing):
         return path
-    splits = list(json.loads(listing.read_text()).get("splits", []))
+    splits = list(json.loads(fs.cat_file(listing)).get("splits", []))
     if split is None or split not in splits:
         raise DatasetError(
-            f"{path}: a DatasetDict with splits {splits}: expected data.split to name one, "
-            f"found {split!r}"
+            f"{_name(fs, path)}: a DatasetDict with splits {splits}: expected data.split to name "
+            f"one, found {split!r}"
         )
-    return path / split
+    return f"{path}/{split}"
 
 
-def _format_of(path: Path, fmt: str) -> str:
+def _format_of(fs: Any, path: str, fmt: str) -> str:
     if fmt != "auto":
         return fmt
-    if path.is_dir():
+    if fs.isdir(path):
         return "arrow"
-    found = _SUFFIXES.get(path.suffix.lower())
-    if found == "json" and _first_byte(path) != b"[":
+    found = _SUFFIXES.get(_suffix(path))
+    if found == "json" and _first_byte(fs, path) != b"[":
         return "jsonl"  # many .json files hold one object per line
     if found is None:
         raise DatasetError(
-            f"{path}: expected a name ending in {sorted(_SUFFIXES)} or a save_to_disk folder, "
-            f"found {path.name!r}: set data.format to one of {list(FORMATS)}"
+            f"{_name(fs, path)}: expected a name ending in {sorted(_SUFFIXES)} or a save_to_disk "
+            f"folder, found {path.rsplit('/', 1)[-1]!r}: set data.format to one of {list(FORMATS)}"
         )
     return found
 
 
-def _first_byte(path: Path) -> bytes:
-    with path.open("rb") as source:
-        head = source.read(4096).removeprefix(_BOM).lstrip()
+def _first_byte(fs: Any, path: str) -> bytes:
+    with fs.open(path, "rb") as source:
+        head = bytes(source.read(4096)).removeprefix(_BOM).lstrip()
     return head[:1]
 
 
@@ -121,16 +164,16 @@ def iter_rows(files: list[DatasetFile], max_line_bytes: int) -> Iterator[SourceR
     readers = {"jsonl": _jsonl_rows, "json": _json_rows, "parquet": _parquet_rows}
     for file in files:
         if file.format == "arrow":
-            yield from _arrow_rows(file.path)
+            yield from _arrow_rows(file)
         elif file.format in readers:
-            yield from readers[file.format](file.path, max_line_bytes)
+            yield from readers[file.format](file, max_line_bytes)
         else:
             raise DatasetError(
                 f"data.format: expected one of {list(FORMATS)} or auto, found {file.format!r}"
             )
 
 
-def _bounded_lines(source: BinaryIO, path: Path, max_line_bytes: int) -> Iterator[bytes]:
+def _bounded_lines(source: BinaryIO, path: DatasetFile, max_line_bytes: int) -> Iterator[bytes]:
     """The file's lines, each read with a limit: memory stays at ``max_line_bytes`` whatever the
     line, and an over-long line is refused by its number before anything parses it."""
     line_number = 0
@@ -146,9 +189,9 @@ def _bounded_lines(source: BinaryIO, path: Path, max_line_bytes: int) -> Iterato
         yield raw
 
 
-def _jsonl_rows(path: Path, max_line_bytes: int) -> Iterator[SourceRow]:
+def _jsonl_rows(path: DatasetFile, max_line_bytes: int) -> Iterator[SourceRow]:
     offset = 0
-    with path.open("rb") as lines:
+    with path.open() as lines:
         for line_number, raw in enumerate(_bounded_lines(lines, path, max_line_bytes), start=1):
             # A byte-order mark (some editors save UTF-8 with one) is not part of the JSON.
             body = raw.removeprefix(_BOM) if line_number == 1 else raw
@@ -176,8 +219,8 @@ def _parse_json(raw: bytes, where: str) -> Any:
         ) from exc
 
 
-def _json_rows(path: Path, max_line_bytes: int) -> Iterator[SourceRow]:
-    document = _parse_json(path.read_bytes().removeprefix(_BOM), str(path))
+def _json_rows(path: DatasetFile, max_line_bytes: int) -> Iterator[SourceRow]:
+    document = _parse_json(bytes(path.fs.cat_file(path.path)).removeprefix(_BOM), str(path))
     if not isinstance(document, list):
         raise DatasetError(
             f"{path}: expected a JSON array of conversations, found {type(document).__name__} "
@@ -187,11 +230,11 @@ def _json_rows(path: Path, max_line_bytes: int) -> Iterator[SourceRow]:
         yield SourceRow(record, f"{path}: element {row}", row + 1, row)
 
 
-def _parquet_rows(path: Path, max_line_bytes: int) -> Iterator[SourceRow]:
+def _parquet_rows(path: DatasetFile, max_line_bytes: int) -> Iterator[SourceRow]:
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(path.open())
     except Exception as exc:  # pyarrow's own errors: not Parquet, truncated, ...
         raise DatasetError(f"{path}: expected a Parquet file, found {exc!r}") from exc
     row = 0
@@ -201,11 +244,16 @@ def _parquet_rows(path: Path, max_line_bytes: int) -> Iterator[SourceRow]:
             row += 1
 
 
-def _arrow_rows(folder: Path) -> Iterator[SourceRow]:
+def _arrow_rows(folder: DatasetFile) -> Iterator[SourceRow]:
     import datasets
 
     try:
-        saved = datasets.load_from_disk(str(folder))
+        if folder.local:
+            saved = datasets.load_from_disk(folder.path)
+        else:
+            saved = datasets.load_from_disk(
+                folder.name, storage_options=dict(folder.fs.storage_options)
+            )
     except Exception as exc:
         raise DatasetError(
             f"{folder}: expected a folder written by datasets' save_to_disk, found {exc!r}"
@@ -225,19 +273,22 @@ def _arrow_rows(folder: Path) -> Iterator[SourceRow]:
 
 
 def fingerprint_file(path: Path, cache: dict[tuple[str, int, int, int, int], str]) -> str:
-    """xxh3-128 hex digest of a file's bytes, read in 8 MiB blocks; ``cache`` keeps it per
+    """xxh3-128 hex digest of a local file's bytes, read in 8 MiB blocks; ``cache`` keeps it per
     version of the file (path, device, inode, size, mtime)."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
     known = cache.get(key)
-    if known is not None:
-        return known
+    if known is None:
+        with path.open("rb") as source:
+            known = cache[key] = _digest(source)
+    return known
+
+
+def _digest(source: BinaryIO) -> str:
     digest = xxhash.xxh3_128()
-    with path.open("rb") as source:
-        while block := source.read(_FINGERPRINT_BLOCK):
-            digest.update(block)
-    cache[key] = digest.hexdigest()
-    return cache[key]
+    while block := source.read(_FINGERPRINT_BLOCK):
+        digest.update(block)
+    return digest.hexdigest()
 
 
 def fingerprint_files(
@@ -245,19 +296,26 @@ def fingerprint_files(
 ) -> str:
     """The dataset's digest: one file's own digest (as stores frozen before other formats
     recorded it), else a digest of each file's name and digest (a save_to_disk folder: its
-    Arrow files), so that a resume refuses any changed file of any format."""
-    parts = [p for file in files for p in _data_files(file)]
+    Arrow files), so that a resume refuses any changed file of any format. Remote files are
+    read through their filesystem."""
+    parts = [(file.fs, p) for file in files for p in _data_files(file)]
+    digests = []
+    for fs, part in parts:
+        if "file" in _protocols(fs):
+            digests.append(fingerprint_file(Path(part), cache))
+        else:
+            with fs.open(part, "rb") as source:
+                digests.append(_digest(source))
     if len(parts) == 1:
-        return fingerprint_file(parts[0], cache)
-    digest = xxhash.xxh3_128()
-    for part in parts:
-        digest.update(f"{part.name}\0{fingerprint_file(part, cache)}\0".encode())
-    return digest.hexdigest()
+        return digests[0]
+    combined = xxhash.xxh3_128()
+    for (_, part), found in zip(parts, digests, strict=True):
+        combined.update(f"{part.rsplit('/', 1)[-1]}\0{found}\0".encode())
+    return combined.hexdigest()
 
 
-def _data_files(file: DatasetFile) -> list[Path]:
-    if not file.path.is_dir():
+def _data_files(file: DatasetFile) -> list[str]:
+    if not file.fs.isdir(file.path):
         return [file.path]
-    return sorted(
-        p for p in file.path.rglob("*") if p.is_file() and p.suffix in {".arrow", ".json"}
-    )
+    found = file.fs.find(file.path)
+    return sorted(str(p) for p in found if _suffix(str(p)) in {".arrow", ".json"})

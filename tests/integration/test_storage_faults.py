@@ -390,3 +390,47 @@ def test_a_write_that_fails_for_good_costs_that_chunk_alone(
     assert sorted(store.committed_chunks()) == list(range(planned))
     difference = compare_stores(url, local_reference)
     assert difference.samples == 60 and difference.max_abs_hidden <= 1e-5, difference
+
+
+def test_a_dataset_on_s3_plans_as_its_local_copy(
+    s3_proxy: FaultProxy, tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """--dataset as an fsspec URL: a JSONL file, a glob of Parquet files and a save_to_disk
+    folder on the S3-compatible server plan to the local file's tokens, and a changed object
+    changes the dataset's digest."""
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hsx.dataset import fingerprint_dataset
+    from hsx.pipeline import plan_and_create_store
+
+    rows = [json.loads(line) for line in sample_dataset.read_text().splitlines()[:16]]
+    s3 = fsspec.filesystem("s3")
+    s3.pipe(f"{BUCKET}/data/rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    for part, half in enumerate((rows[:8], rows[8:])):
+        pq.write_table(pa.Table.from_pylist(half), tmp_path / f"part-{part}.parquet")
+        s3.put(str(tmp_path / f"part-{part}.parquet"), f"{BUCKET}/data/parquet/part-{part}.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    s3.put(str(tmp_path / "saved"), f"{BUCKET}/data/saved", recursive=True)
+    local = tmp_path / "rows.jsonl"
+    local.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def tokens(dataset: str | Path, name: str) -> np.ndarray:
+        url = str(tmp_path / f"{name}.zarr")
+        assert plan_and_create_store(make_settings(tiny_llama, dataset, url)).samples == 16  # type: ignore[arg-type]
+        store = ExtractionStore.open(url)
+        return store.read_rows("input_ids", 0, int(store.meta["total_rows"]))
+
+    expected = tokens(local, "local")
+    for name, url in {
+        "jsonl": f"s3://{BUCKET}/data/rows.jsonl",
+        "parquet": f"s3://{BUCKET}/data/parquet/part-*.parquet",
+        "saved": f"s3://{BUCKET}/data/saved",
+    }.items():
+        assert np.array_equal(tokens(url, name), expected), name
+    before = fingerprint_dataset(f"s3://{BUCKET}/data/rows.jsonl")
+    assert before == fingerprint_dataset(local)  # the same bytes, wherever they are
+    s3.pipe(f"{BUCKET}/data/rows.jsonl", local.read_bytes() + b"\n")
+    assert fingerprint_dataset(f"s3://{BUCKET}/data/rows.jsonl") != before

@@ -95,7 +95,8 @@ def test_two_runs_and_a_ui_retry_share_one_model_load(tmp_path: Path) -> None:
                 totals += sum(c.tokens for c in commits.values())
             log = server.log()
             assert log.count(READY) == 1
-            assert log.split("hsx serve: loading", 1)[1].count("checkpoint shards: 100%") == 1
+            # Counted at its start: tqdm may print the 100% line twice for one load.
+            assert log.split("hsx serve: loading", 1)[1].count("checkpoint shards:   0%") == 1
             assert server.metric("vllm:prompt_tokens_total") - tokens_before >= totals
             commits = ExtractionStore.open(second_store).committed_chunks()
             assert commits[1].extra["flow_run_attempt"] == 2

@@ -356,9 +356,11 @@ def verify(
         console.print(
             f"[yellow]uncommitted chunks[/]: {report.missing[:50]}{' ...' if len(report.missing) > 50 else ''}"
         )
-    console.print(("[green]" if report.ok else "[red]") + report.summary())
+    colour = {"OK": "[green]", "INCOMPLETE": "[yellow]"}.get(report.state, "[red]")
+    console.print(colour + report.summary())
     if not repair or not (report.problems or report.index_problems):
-        raise typer.Exit(0 if report.ok else 1)
+        # 0 complete and intact, 3 intact but not finished (a resume completes it), 1 corrupt.
+        raise typer.Exit({"OK": 0, "INCOMPLETE": 3}.get(report.state, 1))
     dropped = repair_store(store, report)
     if dropped:
         console.print(f"[yellow]repair[/]: dropped the commit records of chunks {sorted(dropped)}")

@@ -51,8 +51,22 @@ class VerifyReport:
             and self.chunks_verified == self.chunks_planned
         )
 
+    @property
+    def intact(self) -> bool:
+        """True when everything committed verifies (chunks may still be missing)."""
+        return not self.problems and not self.index_problems and not self.metadata_problems
+
+    @property
+    def state(self) -> str:
+        """OK (complete and intact), INCOMPLETE (intact, chunks not extracted yet: a resume
+        finishes it) or CORRUPT (a committed byte, the sample index or a metadata document
+        does not verify: `hsx verify --repair`)."""
+        if not self.intact:
+            return "CORRUPT"
+        return "OK" if self.ok else "INCOMPLETE"
+
     def summary(self) -> str:
-        state = "OK" if self.ok else "FAILED"
+        state = self.state
         skipped = (
             f", {len(self.skipped_samples)} samples skipped (states failed a check)"
             if self.skipped_samples
@@ -63,9 +77,14 @@ class VerifyReport:
         )
         if self.metadata_problems:
             index += f", {len(self.metadata_problems)} metadata documents differ from their copy"
+        missing = (
+            f"{len(self.missing)} not extracted yet (nothing corrupt: a resume finishes it)"
+            if state == "INCOMPLETE"
+            else f"{len(self.missing)} missing"
+        )
         return (
             f"{state}: {self.chunks_verified}/{self.chunks_planned} chunks verified, "
-            f"{len(self.missing)} missing, {len(self.problems)} with mismatches{skipped}{index}"
+            f"{missing}, {len(self.problems)} with mismatches{skipped}{index}"
         )
 
 

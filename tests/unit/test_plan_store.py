@@ -435,3 +435,29 @@ def test_whole_zarr_chunks_of_aligned_results_are_written_without_a_copy(
     assert torch.equal(torch.from_numpy(stored[:40]), states[0])
     assert torch.equal(torch.from_numpy(stored[40:47]), states[1])
     assert digests == [digest(stored[row : row + 16]) for row in (0, 16, 32)]
+
+
+def test_verify_tells_an_unfinished_store_from_a_corrupt_one(tmp_path: Path) -> None:
+    """A store with chunks not extracted yet is INCOMPLETE (exit 3: a resume finishes it), not
+    FAILED; a flipped byte makes it CORRUPT (exit 1) whatever is missing."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    url = str(tmp_path / "store")
+    plan = make_plan([40, 40, 40], work=48)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    extract_chunk(store, plan.chunks[0], StatesEngine(), 100, RunContext("r"))
+    report = verify_store(ExtractionStore.open(url))
+    assert report.state == "INCOMPLETE" and report.intact and not report.ok
+    assert report.summary().startswith(
+        f"INCOMPLETE: 1/{len(plan.chunks)} chunks verified, {len(plan.chunks) - 1} not extracted "
+        "yet (nothing corrupt: a resume finishes it)"
+    )
+    runner = CliRunner()
+    assert runner.invoke(app, ["verify", url]).exit_code == 3
+    (victim,) = sorted((tmp_path / "store" / "hidden_states").glob("c.*"))[:1]
+    victim.write_bytes(bytes([victim.read_bytes()[0] ^ 1]) + victim.read_bytes()[1:])
+    corrupt = verify_store(ExtractionStore.open(url))
+    assert corrupt.state == "CORRUPT" and corrupt.summary().startswith("CORRUPT: 0/")
+    assert runner.invoke(app, ["verify", url]).exit_code == 1

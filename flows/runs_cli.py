@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -30,6 +31,26 @@ def _client() -> Any:
     return get_client(sync_client=True)
 
 
+# Prefect's API answers at most PREFECT_API_DEFAULT_LIMIT (200) items a call: everything past
+# that is read page by page.
+PAGE = 200
+
+
+def read_pages(
+    read: Callable[..., list[Any]], limit: int | None = None, **filters: Any
+) -> list[Any]:
+    """Every item ``read`` (a Prefect client's read_*) finds, up to ``limit`` (None: all),
+    page by page."""
+    found: list[Any] = []
+    while limit is None or len(found) < limit:
+        size = PAGE if limit is None else min(PAGE, limit - len(found))
+        page = read(**filters, limit=size, offset=len(found))
+        found.extend(page)
+        if len(page) < size:
+            break
+    return found
+
+
 def _summaries(client: Any, flow_run_ids: list[UUID]) -> dict[str, list[dict[str, Any]]]:
     """flow run id -> the rows of its hsx-run-summary artifacts, one per attempt, in order."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter
@@ -38,10 +59,10 @@ def _summaries(client: Any, flow_run_ids: list[UUID]) -> dict[str, list[dict[str
     found: dict[str, list[dict[str, Any]]] = {}
     if not flow_run_ids:
         return found
-    artifacts = client.read_artifacts(
+    artifacts = read_pages(
+        client.read_artifacts,
         artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["hsx-run-summary"])),
         flow_run_filter=FlowRunFilter(id=RunId(any_=flow_run_ids)),
-        limit=200,
     )
     for artifact in sorted(artifacts, key=lambda a: a.created):
         data = artifact.data
@@ -61,7 +82,7 @@ def _duration(run: Any) -> str:
 @runs_app.callback(invoke_without_command=True)
 def runs(
     ctx: typer.Context,
-    limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
+    limit: Annotated[int, typer.Option(help="How many runs, newest first; 0 = every run.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Past hsx runs: state, attempts, model, store, chunks committed/failed/retried, tokens/s."""
@@ -71,10 +92,11 @@ def runs(
     from prefect.client.schemas.sorting import FlowRunSort
 
     with _client() as client:
-        found = client.read_flow_runs(
+        found = read_pages(
+            client.read_flow_runs,
+            limit or None,
             flow_filter=FlowFilter(name=FlowFilterName(any_=list(FLOWS))),
             sort=FlowRunSort.START_TIME_DESC,
-            limit=limit,
         )
         summaries = _summaries(client, [run.id for run in found])
     listed = []
@@ -137,8 +159,8 @@ def show(
     )
 
     with _client() as client:
-        candidates = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=list(FLOWS))), limit=200
+        candidates = read_pages(
+            client.read_flow_runs, flow_filter=FlowFilter(name=FlowFilterName(any_=list(FLOWS)))
         )
         matches = [run for run in candidates if str(run.id).startswith(run_id)]
         if len(matches) != 1:
@@ -149,11 +171,12 @@ def show(
             raise typer.Exit(2)
         run = matches[0]
         attempts = _summaries(client, [run.id]).get(str(run.id), [])
-        tasks = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
+        tasks = read_pages(
+            client.read_task_runs,
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
         )
-        logs = client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200
+        logs = read_pages(
+            client.read_logs, log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))
         )
     failures: dict[str, list[str]] = {}
     for log in logs:

@@ -188,3 +188,23 @@ def test_a_run_that_fails_before_its_store_exists_keeps_a_record_beside_it(
     assert "bad.jsonl:1" in record["error"]
     info = hsx("info", store, env=stack.env)
     assert info.returncode == 1 and "failed in plan" in info.stdout, info.stdout + info.stderr
+
+
+def test_hsx_runs_pages_through_every_run(stack: Stack) -> None:
+    """Prefect answers 200 items a call: `hsx runs` and `hsx runs show` read every page."""
+    flow = stack.call("POST", "/flows/", json={"name": "hsx-verify"}).json()["id"]
+    created = [
+        stack.call(
+            "POST", "/flow_runs/", json={"flow_id": flow, "name": f"paged-{number:03d}"}
+        ).json()["id"]
+        for number in range(205)
+    ]
+    listed = hsx("runs", "--limit", "0", "--json", env=stack.env)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    ids = {row["id"] for row in json.loads(listed.stdout)}
+    assert set(created) <= ids  # 205 and more: past the first page
+    recent = hsx("runs", "--json", env=stack.env)
+    assert len(json.loads(recent.stdout)) == 20  # the default: the newest 20
+    oldest = hsx("runs", "show", created[0][:13], "--json", env=stack.env)
+    assert oldest.returncode == 0, oldest.stdout + oldest.stderr
+    assert json.loads(oldest.stdout)["name"] == "paged-000"

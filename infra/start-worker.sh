@@ -6,8 +6,12 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 : "${PREFECT_API_URL:?expected PREFECT_API_URL of the Prefect server (infra/prefect-up.sh prints it)}"
 bash "$root/scripts/bootstrap.sh"
 export HSX_REPO="$root" PREFECT_LOGGING_EXTRA_LOGGERS=hsx
-# Results stay off (the store is the result); anything Prefect keeps stays in its home.
-export PREFECT_LOCAL_STORAGE_PATH="${PREFECT_HOME:-$HOME/.prefect}/storage"
+# The worker's Prefect state (and anything Prefect keeps of a failed run: results stay off, the
+# store is the result) lives in hsx's Prefect home, the server's where both run on one node;
+# never ~/.prefect.
+export PREFECT_HOME="${PREFECT_HOME:-${HSX_PREFECT_HOME:-$root/.prefect-server}}"
+export PREFECT_LOCAL_STORAGE_PATH="$PREFECT_HOME/storage"
+mkdir -p "$PREFECT_LOCAL_STORAGE_PATH"
 prefect="$root/.venv/bin/prefect"
 if ! "$prefect" work-pool inspect hsx-gpu >/dev/null 2>&1; then
   "$prefect" work-pool create hsx-gpu --type process >/dev/null
@@ -15,10 +19,15 @@ fi
 # Supervised, as systemd's Restart=always would: a Prefect 3.7 worker exits with "this borrower is
 # already holding one of this CapacityLimiter's tokens" when a run is retried (the UI's Retry)
 # while the process of its last attempt is still exiting; restarted, it picks the retry up.
+# One SIGTERM (systemctl stop, docker stop, prefect-down) stops it: the worker turns SIGTERM into
+# a SIGINT to itself, and a job started with & by a non-interactive shell ignores SIGINT, so the
+# worker is started with SIGINT's default action restored (kept across exec).
 child=""
 trap 'if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 0' TERM INT
+with_sigint='import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])'
 while true; do
-  "$prefect" worker start --pool hsx-gpu --limit "${HSX_WORKER_LIMIT:-1}" &
+  "$root/.venv/bin/python" -c "$with_sigint" "$prefect" worker start --pool hsx-gpu \
+    --limit "${HSX_WORKER_LIMIT:-1}" &
   child=$!
   code=0; wait "$child" || code=$?
   echo "start-worker: the worker exited with status $code; restarting it in 5 s" >&2

@@ -9,6 +9,7 @@ both attempts."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -208,3 +209,64 @@ def test_hsx_runs_pages_through_every_run(stack: Stack) -> None:
     oldest = hsx("runs", "show", created[0][:13], "--json", env=stack.env)
     assert oldest.returncode == 0, oldest.stdout + oldest.stderr
     assert json.loads(oldest.stdout)["name"] == "paged-000"
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def test_the_worker_stops_on_one_sigterm_and_keeps_its_state_in_hsx_home(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """infra/start-worker.sh as a non-interactive shell starts it (`... &`, as systemd's and
+    compose's shells do): one SIGTERM to the script ends it and its worker, and the worker's
+    Prefect home is hsx's, not ~/.prefect."""
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "script.pid"
+    env = {k: v for k, v in stack.env.items() if k != "PREFECT_HOME"}  # as the README's steps
+    env["HSX_PREFECT_HOME"] = str(stack.home)
+    shell = subprocess.Popen(
+        ["bash", "-c", f"bash {REPO_ROOT}/infra/start-worker.sh & echo $! > {pid_file}; wait"],
+        env=env,
+        stdout=(tmp_path / "worker.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            time.sleep(0.2)
+        script = int(pid_file.read_text())
+        workers: list[int] = []
+        while not workers and time.monotonic() < deadline:  # after bootstrap.sh and the pool
+            time.sleep(0.5)
+            workers = [
+                child
+                for child in _children(script)
+                if b"worker\0start" in Path(f"/proc/{child}/cmdline").read_bytes()
+            ]
+        (worker,) = workers
+        # Started: it polls the server (its log says so) before the stop.
+        while "Worker" not in (tmp_path / "worker.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+        assert f"PREFECT_HOME={stack.home}".encode() in environ
+        ignored = int(
+            next(
+                line.split()[1]
+                for line in Path(f"/proc/{worker}/status").read_text().splitlines()
+                if line.startswith("SigIgn:")
+            ),
+            16,
+        )
+        assert not ignored & (1 << (signal.SIGINT - 1)), "the worker ignores SIGINT"
+        os.kill(script, signal.SIGTERM)  # one, to the script alone
+        assert shell.wait(timeout=60) == 0
+        assert not Path(f"/proc/{worker}").exists(), "the worker outlived one SIGTERM"
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()

@@ -144,7 +144,9 @@ def run_extraction(settings: Any) -> int:
 
 def _run_flow(settings: Any, stop: SignalStop) -> int:
     # Imported only now: the flow imports prefect, which reads PREFECT_API_URL once.
-    from flows.extract import ExtractionIncompleteError, ExtractionInterruptedError, extract_flow
+    from prefect.exceptions import CancelledRun
+
+    from flows.extract import ExtractionIncompleteError, extract_flow
     from hsx.errors import HsxError
 
     try:
@@ -152,7 +154,7 @@ def _run_flow(settings: Any, stop: SignalStop) -> int:
     except ExtractionIncompleteError as exc:
         console.print(f"[bold red]extraction incomplete:[/] {exc}")
         return 1
-    except ExtractionInterruptedError as exc:
+    except CancelledRun as exc:  # stopped: the flow run ends Cancelled, not Crashed or Failed
         return report_stopped(settings, stop.signum, str(exc))
     except HsxError as exc:
         console.print(f"[bold red]error:[/] {exc}")
@@ -189,7 +191,11 @@ def report_stopped(settings: Any, signum: int | None, detail: str) -> int:
     except Exception as exc:
         committed = f"unknown ({exc!r})"
     name = signal.Signals(signum).name if signum else "a stop"
-    console.print(f"[bold yellow]stopped[/] by {name}: {detail}", soft_wrap=True, highlight=False)
+    console.print(
+        f"[bold yellow]stopped[/] by {name} (flow run Cancelled): {detail}",
+        soft_wrap=True,
+        highlight=False,
+    )
     console.print(
         f"committed in {settings.store}: {committed} (each verified at its commit)", soft_wrap=True
     )

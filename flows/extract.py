@@ -11,12 +11,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from typing import Any
+from uuid import UUID
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.schemas.objects import State
 from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
+from prefect.runtime import deployment, flow_run
+from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.reporting import (
@@ -54,11 +58,6 @@ class ExtractionIncompleteError(RuntimeError):
     """Raised at the end of a flow run whose chunks did not all commit and verify."""
 
 
-class ExtractionInterruptedError(RuntimeError):
-    """Raised when the run was asked to stop (a signal): what committed stays, the rest is redone
-    by a re-run."""
-
-
 @flow(
     name="hsx-extract",
     # Parameters are validated by settings_from_parameters: a deployment run's partial settings
@@ -68,7 +67,7 @@ class ExtractionInterruptedError(RuntimeError):
     # Threads start as tasks need them: the chunks in flight (sized from the plan) and the rest.
     task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHUNKS_IN_FLIGHT + 2),
 )
-def extract_flow(settings: HsxSettings) -> dict[str, Any]:
+def extract_flow(settings: HsxSettings) -> dict[str, Any] | State:
     """Extract the hidden states of ``settings.dataset`` through ``settings.model`` into
     ``settings.store``. From a deployment, ``settings`` may name only what it changes."""
     attempt = current_attempt("hsx-extract")
@@ -79,6 +78,20 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any]:
         resolved = resolve_settings(settings_from_parameters(settings))
         tag_run(*run_tags(resolved))
         return _extract(resolved, attempt, stage)
+    except TerminationSignal:
+        # A Cancel or a worker's stop before or after the chunks (preflight, planning, verify).
+        if resolved is None or stage.recorded:
+            raise
+        cancelled = run_is_cancelling()
+        reason = "cancelled from Prefect" if cancelled else "SIGTERM received"
+        request_stop(reason)
+        record_attempt(
+            resolved,
+            attempt,
+            "cancelled" if cancelled else "interrupted",
+            {"reason": reason, "stopped_in": stage.name},
+        )
+        return Cancelled(message=f"stopped in {stage.name} ({reason}); a re-run finishes it")
     except BaseException as exc:
         if resolved is not None and not stage.recorded:
             record_failure(resolved, attempt, stage.name, exc)
@@ -114,7 +127,7 @@ def record_failure(
     )
 
 
-def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[str, Any]:
+def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[str, Any] | State:
     logger = get_run_logger()
     started = time.perf_counter()
     stage.name = "resume-check"
@@ -159,8 +172,9 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
                 in_flight.append((chunk_index, chunk_task.submit(settings, chunk_index)))
             if not in_flight:
                 break
-            chunk_index, future = in_flight.popleft()
-            future.wait()
+            chunk_index, future = in_flight[0]
+            future.wait()  # a TerminationSignal here leaves the chunk in in_flight
+            in_flight.popleft()
             state = future.state
             done += 1
             if state.is_failed() or state.is_crashed():
@@ -193,28 +207,24 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
                 elapsed / done * (len(pending) - done),
             )
     except TerminationSignal:
-        # Prefect's SIGTERM bridge (a scheduler's stop, the UI's Cancel) raised here: the chunks
-        # in flight must abandon too, and the store must say the run was stopped.
-        request_stop("SIGTERM received")
+        # Prefect's SIGTERM bridge (the UI's or API's Cancel, a worker's stop) raised here: the
+        # chunks in flight must abandon too, and the store must say the run was stopped.
+        cancelled = run_is_cancelling()
+        request_stop("cancelled from Prefect" if cancelled else "SIGTERM received")
         # Chunks in flight reach a batch boundary (and abandon) or their commit within seconds;
         # waiting for them makes the run record count what was committed.
         deadline = time.monotonic() + STOP_WAIT_S
-        for _, future in in_flight:
+        for chunk_index, future in in_flight:
             future.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        record_interrupted(settings, attempt, failed, abandoned, list(queue), extracted_tokens)
-        stage.recorded = True
-        raise
-    not_started = list(queue)
-    loop_seconds = time.perf_counter() - loop_started
+            if not future.state.is_completed():
+                abandoned.append(chunk_index)
+        in_flight.clear()
+        return stopped(settings, attempt, stage, failed, abandoned, list(queue), cancelled)
     if stop_requested():
         # No verification: the user asked to stop within seconds; a re-run verifies everything.
-        record_interrupted(settings, attempt, failed, abandoned, not_started, extracted_tokens)
-        stage.recorded = True
-        raise ExtractionInterruptedError(
-            f"stopped ({stop_reason()}): {done - len(failed) - len(abandoned)} chunks committed "
-            f"by this run, {len(abandoned)} abandoned before their commit, {len(not_started)} "
-            "not started; a re-run extracts exactly what is missing"
-        )
+        return stopped(settings, attempt, stage, failed, abandoned, list(queue), False)
+    not_started = list(queue)
+    loop_seconds = time.perf_counter() - loop_started
     progress.update(done, force=True)
     stage.name = "verify"
     verification = verify_task(settings.store, repair=settings.run.repair)
@@ -313,32 +323,88 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
     return summary
 
 
+def stopped(
+    settings: HsxSettings,
+    attempt: RunAttempt,
+    stage: _Stage,
+    failed: list[int],
+    abandoned: list[int],
+    not_started: list[int],
+    cancelled: bool,
+) -> State:
+    """The end of a stopped run (a signal to the CLI, a Cancel from the UI or API, a worker's
+    stop): its record in the store and its summary row, and Prefect's Cancelled state (a stop
+    is neither a crash nor a failure; `hsx extract` reports it and exits 130 or 143)."""
+    fields = record_interrupted(settings, attempt, failed, abandoned, not_started, cancelled)
+    stage.recorded = True
+    message = (
+        f"stopped ({fields['reason']}): {fields['chunks_extracted_now']} chunks committed by "
+        f"this run ({fields['tokens_extracted_now']} tokens), {len(abandoned)} abandoned before "
+        f"their commit, {len(not_started)} not started; {fields['resume']}"
+    )
+    get_run_logger().warning("%s", message)
+    return Cancelled(message=message)
+
+
+def run_is_cancelling() -> bool:
+    """Whether Prefect is cancelling this flow run (its SIGTERM is then a Cancel, not a stop of
+    the worker)."""
+    run_id = flow_run.get_id()
+    if not run_id:
+        return False
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(UUID(run_id)).state
+        return state is not None and (state.is_cancelling() or state.is_cancelled())
+    except Exception as exc:  # the API unreachable: a stop all the same
+        get_run_logger().warning("could not read this run's state: %r", exc)
+        return False
+
+
 def record_interrupted(
     settings: HsxSettings,
     attempt: RunAttempt,
     failed: list[int],
     abandoned: list[int],
     not_started: list[int],
-    tokens: int,
-) -> None:
-    """The store's run record of a stopped run: what it committed and what a re-run redoes.
-    Commits are counted from the store: a SIGTERM interrupts the flow before it has collected
-    the chunks in flight, which may have committed all the same."""
+    cancelled: bool = False,
+) -> dict[str, Any]:
+    """The store's run record of a stopped run: what this attempt committed (chunks and tokens,
+    counted from the store's commit records: chunks in flight at a SIGTERM may have committed
+    all the same), what it abandoned, and how to finish it. Returns the record's fields."""
     committed = [
-        index
-        for index, record in ExtractionStore.open(settings.store).committed_chunks().items()
-        if record.run_id == attempt.run_id
+        record
+        for record in ExtractionStore.open(settings.store).committed_chunks().values()
+        if record.run_id == attempt.run_id and record.attempt == attempt.attempt
     ]
-    record_attempt(
-        settings,
+    status = "cancelled" if cancelled else "interrupted"
+    fields = {
+        "reason": stop_reason(),
+        "chunks_extracted_now": len(committed),
+        "tokens_extracted_now": sum(int(record.tokens) for record in committed),
+        "chunks_abandoned": sorted(set(abandoned)),
+        "chunks_failed": failed,
+        "chunks_not_started": not_started,
+        "resume": (
+            "retry the run (the UI's Retry) or run it again"
+            if deployment.get_id()
+            else f"resume with: hsx extract --model {settings.model} --dataset "
+            f"{settings.dataset} --store {settings.store}"
+        ),
+    }
+    record_attempt(settings, attempt, status, fields)
+    run_summary(
         attempt,
-        "interrupted",
+        settings,
+        status,
         {
-            "reason": stop_reason(),
-            "chunks_extracted_now": len(committed),
-            "chunks_abandoned": abandoned,
-            "chunks_failed": failed,
-            "chunks_not_started": not_started,
-            "tokens_extracted_now": tokens,
+            "chunks_committed_now": fields["chunks_extracted_now"],
+            "tokens_extracted_now": fields["tokens_extracted_now"],
+            "chunks_abandoned": len(fields["chunks_abandoned"]),
+            "chunks_not_started": len(not_started),
+            "reason": fields["reason"],
         },
     )
+    return fields

@@ -90,7 +90,8 @@ def test_a_signal_stops_the_run_within_seconds_and_the_resume_completes(
     assert took < EXIT_WITHIN_S, f"expected an exit within {EXIT_WITHIN_S} s, took {took:.1f} s"
     time.sleep(1.0)
     assert still_running(children) == []  # the temporary server and any engine process
-    assert f"stopped by {signal.Signals(signum).name}" in output
+    assert f"stopped by {signal.Signals(signum).name} (flow run Cancelled)" in output
+    assert "Finished in state Cancelled(" in output  # not Crashed, not Failed
     assert "resume with: hsx extract" in output
 
     opened = ExtractionStore.open(str(store))
@@ -102,6 +103,12 @@ def test_a_signal_stops_the_run_within_seconds_and_the_resume_completes(
     assert report.problems == [] and report.chunks_verified == len(done)  # none half-committed
     (run,) = opened.run_records()
     assert run["status"] == "interrupted" and run["chunks_extracted_now"] == len(done)
+    assert run["reason"] == f"{signal.Signals(signum).name} received"
+    assert run["tokens_extracted_now"] == sum(record.tokens for record in done.values()) > 0
+    assert run["resume"].startswith("resume with: hsx extract --model")
+    # Every chunk is committed, abandoned before its commit, or was never started.
+    accounted = set(done) | set(run["chunks_abandoned"]) | set(run["chunks_not_started"])
+    assert accounted == set(range(planned)), run
 
     resumed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

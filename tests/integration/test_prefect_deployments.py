@@ -191,6 +191,53 @@ def test_a_run_that_fails_before_its_store_exists_keeps_a_record_beside_it(
     assert info.returncode == 1 and "failed in plan" in info.stdout, info.stdout + info.stderr
 
 
+def test_a_ui_cancel_ends_cancelled_with_an_honest_record(stack: Stack, tmp_path: Path) -> None:
+    """The UI's Cancel of a worker-run extraction (Cancelling, then the runner's SIGTERM): the run
+    ends Cancelled, nothing half-committed, and the store's record and `hsx runs` say what this
+    attempt committed (chunks and tokens), what it abandoned, and how to finish."""
+    from hsx.verify import verify_store
+
+    store = str(tmp_path / "cancelled.zarr")
+    settings = {  # ~60 chunks one at a time: tens of seconds, while a Cancel takes a few
+        "store": store,
+        "run": {"preflight": False},
+        "layout": {"work_chunk_tokens": 512},
+        "pipeline": {"chunks_in_flight": 1},
+    }
+    run_id = stack.run("hsx-extract", "extract", {"settings": settings})
+    commits = Path(store) / "commits"
+    deadline = time.monotonic() + 300
+    while not (commits.is_dir() and any(commits.glob("chunk-*.json"))):
+        state = stack.flow_run(run_id)["state_type"]
+        assert time.monotonic() < deadline and state in {"SCHEDULED", "PENDING", "RUNNING"}, state
+        time.sleep(0.2)
+    stack.call(
+        "POST",
+        f"/flow_runs/{run_id}/set_state",
+        json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True},
+    )
+    final = stack.wait(run_id, timeout=120)
+    assert final["state_type"] == "CANCELLED", final["state"]
+    opened = ExtractionStore.open(store)
+    planned = len(opened.work_chunks)
+    committed = [c for c in opened.committed_chunks().values() if c.run_id == run_id]
+    assert 0 < len(committed) < planned
+    report = verify_store(opened)
+    assert report.state == "INCOMPLETE" and report.intact  # none half-committed
+    (record,) = [r for r in opened.run_records() if r["run_id"] == run_id]
+    assert record["status"] == "cancelled" and record["reason"] == "cancelled from Prefect"
+    assert record["chunks_extracted_now"] == len(committed)
+    assert record["tokens_extracted_now"] == sum(c.tokens for c in committed) > 0
+    assert record["resume"].startswith("retry the run")
+    accounted = {c.chunk_index for c in committed}
+    accounted |= set(record["chunks_abandoned"]) | set(record["chunks_not_started"])
+    assert accounted == set(range(planned)), record
+    listed = hsx("runs", "--json", env=stack.env)
+    (row,) = [r for r in json.loads(listed.stdout) if r["id"] == run_id]
+    assert row["state"] == "Cancelled" and row["store"] == store
+    assert row["committed"] == len(committed) and row["model"].endswith("tiny-llama")
+
+
 def test_hsx_runs_pages_through_every_run(stack: Stack) -> None:
     """Prefect answers 200 items a call: `hsx runs` and `hsx runs show` read every page."""
     flow = stack.call("POST", "/flows/", json={"name": "hsx-verify"}).json()["id"]

@@ -74,6 +74,12 @@ def _summaries(client: Any, flow_run_ids: list[UUID]) -> dict[str, list[dict[str
     return found
 
 
+def _total(attempts: list[dict[str, Any]], key: str) -> int | str:
+    """The sum of ``key`` over a run's attempts; "-" when no attempt recorded it."""
+    values = [int(a[key]) for a in attempts if str(a.get(key, "")).lstrip("-").isdigit()]
+    return sum(values) if values else "-"
+
+
 def _duration(run: Any) -> str:
     seconds = run.total_run_time.total_seconds() if run.total_run_time else 0.0
     return f"{seconds:.0f} s"
@@ -111,7 +117,8 @@ def runs(
                 "attempts": run.run_count,
                 "model": last.get("model", "-"),
                 "store": last.get("store", run.parameters.get("store", "-")),
-                "committed": last.get("chunks_committed_now", "-"),
+                # Every attempt's commits (a retried run's first attempt committed most).
+                "committed": _total(attempts, "chunks_committed_now"),
                 "failed": last.get("chunks_failed", "-"),
                 "retried": last.get("chunks_retried", "-"),
                 "duration": _duration(run),

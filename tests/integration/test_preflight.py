@@ -154,3 +154,28 @@ def test_flow_stops_at_failed_preflight_before_loading(
         run = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
     messages = flow_logs(run.id)
     assert any("preflight contract: FAIL" in m for m in messages), messages[-5:]
+
+
+def test_a_bfloat16_probe_reports_a_ratio_to_hfs_own_spread(tiny_llama: Path) -> None:
+    """In bf16 (the GPU default) the probe reads as a ratio to HF's own bf16 spread per layer,
+    PASS within it, never as an absolute error that looks like a failure."""
+    import re
+
+    from hsx.preflight.probe import run_probe
+    from hsx.preflight.run import static_checks
+
+    _, context = static_checks(tiny_llama, CaptureSettings(), EngineSettings())
+    result = run_probe(
+        context["config"],
+        context["text"],
+        context["layer_ids"],
+        context["lowest_layer_id"],
+        EngineSettings(),
+        dtype="bfloat16",
+    )
+    assert result.status == Status.PASS, (result.summary, result.details)
+    found = re.search(
+        r"every layer within (\d+\.\d\d)x HF's own bfloat16 spread \(allowed 3x\)", result.summary
+    )
+    assert found and float(found.group(1)) <= 3.0, result.summary
+    assert any("error vs HF's own bfloat16 spread per id" in line for line in result.details)

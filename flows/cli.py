@@ -305,6 +305,35 @@ def demo(
     raise typer.Exit(run_extraction(settings))
 
 
+def _older_store_layout(
+    fs: Any, root: str, store_url: str, meta: dict[str, Any], upgrade: bool
+) -> None:
+    """A store written before hsx kept hsx-layout.json: its metadata documents cannot be
+    checked. With --repair (and everything committed verifying), they are checked against what
+    the store recorded and the copy is written."""
+    from hsx.layout_copy import COPY_NAME, has_layout_copy, upgrade_layout_copy
+
+    if has_layout_copy(fs, root, store_url):
+        return
+    if not upgrade:
+        console.print(
+            f"[yellow]metadata[/]: no {COPY_NAME} (a store of an older hsx): its metadata "
+            "documents are not checked; `hsx verify --repair` checks them and writes it",
+            soft_wrap=True,
+        )
+        return
+    problems = upgrade_layout_copy(fs, root, store_url, meta)
+    for problem in problems:
+        console.print(f"[red]metadata[/]: {problem}", soft_wrap=True, highlight=False)
+    if problems:
+        _fail(f"store {store_url}: {COPY_NAME} not written: the documents differ from the store")
+    console.print(
+        f"[yellow]repair[/]: wrote {COPY_NAME} (every metadata document checked against the "
+        "store's record of its layout)",
+        soft_wrap=True,
+    )
+
+
 @app.command()
 def verify(
     store_url: Annotated[str, typer.Argument(help="Store URL.")],
@@ -354,6 +383,7 @@ def verify(
         raise
     for message in report.metadata_problems:
         console.print(f"[red]metadata[/]: {message}", soft_wrap=True, highlight=False)
+    _older_store_layout(fs, root, store_url, store.meta, report.intact and repair)
     for problem in report.problems:
         console.print(f"[red]chunk {problem.chunk_index}[/]: {problem.message}")
     for message in report.index_problems:

@@ -98,3 +98,51 @@ def repair_metadata(fs: fsspec.AbstractFileSystem, root: str, url: str) -> list[
             write_atomic(fs, path, text.encode(), durable=True, store=url)
             repaired.append(name)
     return repaired
+
+
+def has_layout_copy(fs: fsspec.AbstractFileSystem, root: str, url: str) -> bool:
+    return bool(exists(fs, url, f"{root}/{COPY_NAME}"))
+
+
+def layout_differences(documents: dict[str, dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """What the arrays' metadata documents say against what the store recorded at its creation
+    (rows, samples, rows per chunk, layers, hidden size): one line per difference. A store of
+    an older hsx is upgraded (its copy written) only when there is none."""
+    rows, samples = int(meta["total_rows"]), int(meta["num_samples"])
+    step, layers = int(meta["rows_per_chunk"]), len(meta["layer_ids"])
+    hidden = int(meta["hidden_size"])
+    expected = {
+        "input_ids/zarr.json": ([rows], [step]),
+        "loss_mask/zarr.json": ([rows], [step]),
+        "hidden_states/zarr.json": ([rows, layers, hidden], [step, layers, hidden]),
+        "sample_starts/zarr.json": ([samples], None),
+        "sample_lengths/zarr.json": ([samples], None),
+    }
+    problems = []
+    for name, (shape, chunks) in expected.items():
+        document = documents.get(name, {})
+        found_shape = document.get("shape")
+        grid = document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+        if found_shape != shape:
+            problems.append(f"{name}: shape {found_shape}, the store recorded {shape}")
+        if chunks is not None and grid != chunks:
+            problems.append(f"{name}: chunks {grid}, the store recorded {chunks}")
+    return problems
+
+
+def upgrade_layout_copy(
+    fs: fsspec.AbstractFileSystem, root: str, url: str, meta: dict[str, Any]
+) -> list[str]:
+    """For a store written before hsx kept ``hsx-layout.json``: check every metadata document
+    (it parses; the arrays' shapes and chunks are the ones the store recorded) and write the
+    copy. Returns the problems found instead (nothing written then)."""
+    documents: dict[str, dict[str, Any]] = {}
+    for name in METADATA_DOCUMENTS:
+        try:
+            documents[name] = json.loads(_read(fs, url, f"{root}/{name}"))
+        except (FileNotFoundError, ValueError) as exc:
+            return [f"{name}: expected a JSON metadata document, found {exc!r}"]
+    problems = layout_differences(documents, meta)
+    if not problems:
+        write_layout_copy(fs, root, url)
+    return problems

@@ -461,3 +461,38 @@ def test_verify_tells_an_unfinished_store_from_a_corrupt_one(tmp_path: Path) -> 
     corrupt = verify_store(ExtractionStore.open(url))
     assert corrupt.state == "CORRUPT" and corrupt.summary().startswith("CORRUPT: 0/")
     assert runner.invoke(app, ["verify", url]).exit_code == 1
+
+
+def test_a_store_of_an_older_hsx_gets_its_layout_copy_once_checked(tmp_path: Path) -> None:
+    """A store without hsx-layout.json (written before hsx kept it): verify says its documents
+    are not checked; --repair checks them against the store's record and writes the copy, then
+    a changed document is found; a document that disagrees with the record is refused."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from hsx.layout_copy import COPY_NAME
+
+    runner = CliRunner()
+    url = str(tmp_path / "old.zarr")
+    committed_store(url)
+    copy = tmp_path / "old.zarr" / COPY_NAME
+    copy.unlink()
+    plain = runner.invoke(app, ["verify", url])
+    assert plain.exit_code == 0 and f"no {COPY_NAME} (a store of an older hsx)" in plain.output
+    upgraded = runner.invoke(app, ["verify", url, "--repair"])
+    assert upgraded.exit_code == 0, upgraded.output
+    assert f"wrote {COPY_NAME}" in " ".join(upgraded.output.split()) and copy.is_file()
+    document = tmp_path / "old.zarr" / "loss_mask" / "zarr.json"
+    document.write_text(document.read_text().replace('"uint8"', '"int8"'))
+    assert runner.invoke(app, ["verify", url]).exit_code == 1  # found against the copy now
+
+    other = str(tmp_path / "bad.zarr")
+    committed_store(other)
+    (tmp_path / "bad.zarr" / COPY_NAME).unlink()
+    shape = tmp_path / "bad.zarr" / "input_ids" / "zarr.json"
+    meta = json.loads(shape.read_text())
+    meta["shape"] = [meta["shape"][0] + 1]
+    shape.write_text(json.dumps(meta))
+    refused = runner.invoke(app, ["verify", other, "--repair"])
+    assert refused.exit_code == 2 and "input_ids/zarr.json: shape" in refused.output
+    assert not (tmp_path / "bad.zarr" / COPY_NAME).exists()

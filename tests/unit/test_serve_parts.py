@@ -203,3 +203,22 @@ def test_the_systemd_units_run_hsx_serve_and_its_worker() -> None:
     worker.read(ROOT / "infra" / "systemd" / "hsx-worker.service")
     assert "infra/start-worker.sh" in worker["Service"]["ExecStart"]
     assert "hsx-serve@" in worker["Unit"]["After"]
+
+
+def test_a_server_that_never_answers_fails_the_chunk_after_server_wait_s() -> None:
+    """engine.url naming a port nobody listens on: acquire fails after engine.server_wait_s,
+    naming the setting and the last error, instead of waiting forever."""
+    import time
+
+    from hsx.engine.server_pool import ServerPool
+    from hsx.errors import EngineError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"  # closed once the block ends
+    pool = ServerPool([url], {}, 256, 1 << 20, 1.5)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"within 1\.5 s \(engine\.server_wait_s\), found none"):
+        pool.acquire()
+    assert 1.5 <= time.monotonic() - started < 15
+    pool.close()

@@ -190,7 +190,14 @@ def report_stopped(settings: Any, signum: int | None, detail: str) -> int:
         committed = f"{len(store.committed_chunks())}/{len(store.work_chunks)} work chunks"
     except Exception as exc:
         committed = f"unknown ({exc!r})"
-    name = signal.Signals(signum).name if signum else "a stop"
+    if signum is None:
+        # Prefect's engine holds SIGTERM while the flow runs (its bridge raises in the flow,
+        # which records the stop): the signal is named in the stop's reason.
+        from hsx.interrupt import stop_reason
+
+        reason = (stop_reason() or "").split(" ", 1)[0]
+        signum = int(getattr(signal.Signals, reason, signal.SIGTERM))
+    name = signal.Signals(signum).name
     console.print(
         f"[bold yellow]stopped[/] by {name} (flow run Cancelled): {detail}",
         soft_wrap=True,
@@ -200,7 +207,7 @@ def report_stopped(settings: Any, signum: int | None, detail: str) -> int:
         f"committed in {settings.store}: {committed} (each verified at its commit)", soft_wrap=True
     )
     console.print(f"resume with: {shlex.join(['hsx', *sys.argv[1:]])}", soft_wrap=True)
-    return exit_code(signum or signal.SIGTERM)
+    return exit_code(signum)
 
 
 @app.command()

@@ -14,12 +14,22 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATASET = REPO_ROOT / "data" / "sample_conversations.jsonl"
+# Set by CI (.ci/run): a test whose component is missing (PostgreSQL, root for a tmpfs or another
+# user's folder) fails there, where a skip would show only as an -rs line nobody reads.
+REQUIRE_ALL = "HSX_TESTS_REQUIRE_ALL"
+
+
+def missing_component(reason: str) -> NoReturn:
+    """Skip for ``reason``; fail instead where every component is required (CI)."""
+    if os.environ.get(REQUIRE_ALL) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_ALL}=1: CI requires it)")
+    pytest.skip(reason)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, missing_component
 from tests.servers import free_port
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -97,7 +96,9 @@ class Stack:
 def running_stack(database: str) -> Iterator[Stack]:
     """The stack on a free port with a fresh database; stopped and removed after."""
     if database == "postgres" and not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
-        pytest.skip("Debian's postgresql package is not installed (apt-get install postgresql)")
+        missing_component(
+            "Debian's postgresql package is not installed (apt-get install postgresql)"
+        )
     # Not under pytest's tmp_path: PostgreSQL runs as its own user, which must reach its folder.
     home = Path(tempfile.mkdtemp(prefix=f"hsx-prefect-{database}-"))
     home.chmod(0o755)

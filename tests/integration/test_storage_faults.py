@@ -36,7 +36,7 @@ import pytest
 from hsx.store import ExtractionStore
 from hsx.verify import verify_store
 from tests.cli import hsx
-from tests.conftest import make_settings
+from tests.conftest import make_settings, missing_component
 from tests.fault_proxy import FaultProxy
 from tests.integration.test_flow import flow_logs, task_runs
 from tests.stores import compare_stores
@@ -101,7 +101,7 @@ def _after_first_commit(store: Path, action: Callable[[], None]) -> threading.Th
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root on these machines)")
+        missing_component("mounting a tmpfs needs root (CI runs as root on these machines)")
     mount = tmp_path / "disk"
     mount.mkdir()
     made = subprocess.run(
@@ -110,7 +110,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         text=True,
     )
     if made.returncode:
-        pytest.skip(f"mount -t tmpfs refused here: {made.stderr.strip()}")
+        missing_component(f"mount -t tmpfs refused here: {made.stderr.strip()}")
     try:
         yield mount
     finally:

@@ -508,6 +508,124 @@ def test_two_servers_feed_one_run_and_take_over_when_one_dies(
     )
 
 
+_KILLED_CLIENT = """
+import sys, numpy as np
+from pathlib import Path
+from hsx.pipeline import resolve_settings, run_spec
+from hsx.served import server_pool
+from tests.conftest import make_settings
+settings = resolve_settings(make_settings(
+    Path(sys.argv[1]), Path(sys.argv[2]), "memory://killed",
+    engine={"url": [sys.argv[3]], "api_key": sys.argv[4]},
+))
+client = server_pool(settings, run_spec(settings)).acquire()
+prompts = [np.arange(1 + i, 1900 + i, dtype=np.int32) for i in range(24)]  # ~46k tokens
+while True:
+    futures = client.submit(prompts)
+    print("SENT", flush=True)
+    for future in futures:
+        future.result()
+"""
+
+
+def test_a_client_killed_mid_batch_leaves_the_server_serving_the_others(
+    llama_server: ServeProcess, tiny_llama: Path, sample_dataset: Path
+) -> None:
+    """A client (a flow run's process) SIGKILLed while the server computes its batch: its
+    channel is dropped, and another client's batches go on, before and after the kill."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from hsx.pipeline import resolve_settings, run_spec
+    from hsx.served import server_pool
+    from tests.conftest import REPO_ROOT
+
+    llama_server.ensure_up()
+    killed = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_CLIENT, str(tiny_llama), str(sample_dataset),
+         llama_server.url, SERVE_KEY],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    settings = resolve_settings(
+        make_settings(
+            tiny_llama,
+            sample_dataset,
+            "memory://alive",
+            engine={"url": [llama_server.url], "api_key": SERVE_KEY},
+        )
+    )
+    pool = server_pool(settings, run_spec(settings))
+    client = pool.acquire()
+    prompts = [np.arange(3 + i, 300 + i, dtype=np.int32) for i in range(8)]
+    try:
+        assert killed.stdout is not None
+        line = killed.stdout.readline()
+        assert line.startswith("SENT"), line + killed.stdout.read()[-3000:]
+        tokens_before = llama_server.metric("vllm:prompt_tokens_total")
+        deadline = time.monotonic() + 60
+        while llama_server.metric("vllm:prompt_tokens_total") == tokens_before:
+            assert time.monotonic() < deadline, "the killed client's batch never ran"
+            time.sleep(0.05)
+        killed.kill()  # mid-batch: the server is computing its prompts
+        killed.wait(timeout=30)
+        for _ in range(3):
+            rows = client.extract(prompts)
+            assert [tuple(r.shape) for r in rows] == [(297, 4, 256)] * 8
+    finally:
+        pool.release(client)
+        if killed.poll() is None:
+            killed.kill()
+    assert httpx.get(f"{llama_server.url}/health", timeout=10).status_code == 200
+    assert client.alive
+
+
+def test_a_closed_client_fails_its_unanswered_batches_at_once(
+    llama_server: ServeProcess, tiny_llama: Path, sample_dataset: Path
+) -> None:
+    """close() while a batch is at the server: its futures fail with an error naming the
+    server, within seconds (they would otherwise wait forever), and its channel goes."""
+    from concurrent.futures import wait
+
+    import numpy as np
+
+    from hsx.engine.options import result_ring_bytes
+    from hsx.engine.server_client import ServerEngine
+    from hsx.engine.server_protocol import shm_folder
+    from hsx.errors import EngineError
+    from hsx.pipeline import resolve_settings, run_spec
+    from hsx.served import server_expectation
+
+    llama_server.ensure_up()
+    settings = resolve_settings(
+        make_settings(
+            tiny_llama, sample_dataset, "memory://closed", engine={"url": [llama_server.url]}
+        )
+    )
+    client = ServerEngine(
+        llama_server.url,
+        server_expectation(settings, run_spec(settings)),
+        256,
+        result_ring_bytes(settings.engine, shm_folder()),
+        30.0,
+        SERVE_KEY,
+    )
+    channel = Path(client._channel)
+    futures = client.submit([np.arange(1 + i, 1900 + i, dtype=np.int32) for i in range(24)])
+    started = time.monotonic()
+    client.close()
+    done, pending = wait(futures, timeout=30)
+    assert not pending and time.monotonic() - started < 30
+    errors = [f.exception() for f in done]
+    assert all(isinstance(e, EngineError) for e in errors), errors
+    assert f"client of server {llama_server.url} closed" in str(errors[0])
+    assert not channel.exists()
+
+
 def test_serve_stops_cleanly_on_sigterm_and_says_so(llama_server: ServeProcess) -> None:
     """Last in the module: systemd's stop is a SIGTERM; the engine's processes go with it."""
     import psutil

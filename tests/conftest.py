@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATASET = REPO_ROOT / "data" / "sample_conversations.jsonl"
 # Set by CI (.ci/run): a test whose component is missing (PostgreSQL, root for a tmpfs or another
 # user's folder) fails there, where a skip would show only as an -rs line nobody reads.
-REQUIRE_ALL = "HSX_TESTS_REQUIRE_ALL"
+REQUIRE_ALL = "TESTS_REQUIRE_ALL_COMPONENTS"
 
 
 def missing_component(reason: str) -> NoReturn:

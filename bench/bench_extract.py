@@ -80,10 +80,10 @@ def plain_runner(model: Path, dataset: Path, dtype: str) -> Callable[[], dict[st
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hsx.dataset import iter_conversations, tokenize_conversation
+    from hsx.data.tokenization import iter_conversations, tokenize_conversation
     from hsx.engine.options import engine_kwargs
-    from hsx.extract import batches
-    from hsx.planning import load_tokenizer
+    from hsx.extraction.chunk_extraction import batches
+    from hsx.plan.building import load_tokenizer
 
     settings = _settings(model, dataset, "memory://unused", dtype)
     kwargs = engine_kwargs(model, settings.engine, (2,), "unused", "")
@@ -122,7 +122,7 @@ def hsx_runner(
     import numpy as np
 
     from hsx.engine.vllm_engine import get_engine
-    from hsx.pipeline import plan_and_create_store, run_spec
+    from hsx.extraction.steps import plan_and_create_store, run_spec
 
     passes = 0
 
@@ -146,8 +146,8 @@ def hsx_runner(
 def extract_every_chunk(settings: Any, summary: Any) -> list[Any]:
     """Every pending work chunk of a planned store, as the flow runs them (as many at once as
     fill the engine's queue), without Prefect's task cost. The commit records."""
-    from hsx.extract import RunContext
-    from hsx.pipeline import chunk_concurrency, extract_work_chunk
+    from hsx.extraction.chunk_extraction import RunContext
+    from hsx.extraction.steps import chunk_concurrency, extract_work_chunk
 
     concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -296,9 +296,9 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path, direct: bool) -> 
     import numpy as np
     import torch
 
-    from hsx.dataset import TokenizedSample
-    from hsx.plan import Plan, WorkChunk, auto_rows_per_chunk, cut_chunks
-    from hsx.store import ExtractionStore
+    from hsx.data.tokenization import TokenizedSample
+    from hsx.plan.chunks import Plan, WorkChunk, auto_rows_per_chunk, cut_chunks
+    from hsx.store.zarr_store import ExtractionStore
 
     k, h = 4, 4096  # a mid-size model's rows: 32 KiB per token in bf16
     c = auto_rows_per_chunk(2 * k * h, 16 << 20)  # hsx's default: 16 MiB objects (C=512)
@@ -310,13 +310,13 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path, direct: bool) -> 
     chunks, starts, rows = cut_chunks(
         lengths, np.zeros(len(lengths), np.int64), np.ones(len(lengths), np.int64), c, 16384
     )
-    from hsx.token_spool import TokenSpool
+    from hsx.plan.token_spool import TokenSpool
 
     spool = TokenSpool()
     for length in lengths.tolist():
         spool.append(np.arange(length, dtype=np.int32), np.ones(length, dtype=np.uint8))
     plan = Plan({"bench": True}, lengths, starts, chunks, rows, c, tokens=spool)
-    from hsx.local_io import aligned_cpu_tensor
+    from hsx.store.local_io import aligned_cpu_tensor
 
     # Results come from the connector's page-aligned buffers: the same here.
     longest = int(lengths.max())
@@ -337,7 +337,7 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path, direct: bool) -> 
         f"{whole}/{rows // c} Zarr chunks lie whole inside a sample",
         flush=True,
     )
-    from hsx.extract import CHUNKS_IN_FLIGHT, ChunkWriter
+    from hsx.extraction.chunk_extraction import CHUNKS_IN_FLIGHT, ChunkWriter
 
     def settle() -> None:
         # Page-cache writeback of the previous pass throttles the next one: start each pass with
@@ -448,8 +448,8 @@ def main() -> None:
             )
         return
 
-    from hsx.sample_data import write_jsonl
-    from hsx.tiny_models import ensure_tiny_models
+    from hsx.data.sample_data import write_jsonl
+    from hsx.data.tiny_models import ensure_tiny_models
 
     model = ensure_tiny_models(ROOT / "models")[args.model]
     scratch = Path(tempfile.mkdtemp(prefix="hsx-bench-", dir=ROOT))

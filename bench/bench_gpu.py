@@ -66,8 +66,8 @@ def settings_for(args: argparse.Namespace, store: str, in_process: bool) -> Any:
 
 
 def tokenized(settings: Any) -> list[Any]:
-    from hsx.dataset import iter_conversations, tokenize_conversation
-    from hsx.planning import load_tokenizer
+    from hsx.data.tokenization import iter_conversations, tokenize_conversation
+    from hsx.plan.building import load_tokenizer
 
     tokenizer = load_tokenizer(settings.model)
     return [
@@ -173,7 +173,8 @@ class Timeline:
         self._thread.join()
 
     def _run(self) -> None:
-        from hsx import extract, timings
+        from hsx import timings
+        from hsx.extraction import chunk_extraction as extract
 
         while not self._stop.wait(self.period):
             stages = timings.snapshot()
@@ -221,9 +222,9 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
 
     from hsx import timings
     from hsx.engine.vllm_engine import close_all_engines, get_engine
-    from hsx.pipeline import plan_and_create_store, run_spec
-    from hsx.store import ExtractionStore
-    from hsx.verify import READERS, verify_store
+    from hsx.extraction.steps import plan_and_create_store, run_spec
+    from hsx.store.verify import READERS, verify_store
+    from hsx.store.zarr_store import ExtractionStore
 
     locations = {"shm": Path("/dev/shm/hsx-bench"), "disk": Path(args.disk_dir)}
     first = settings_for(args, str(locations["shm"] / "warm.zarr"), in_process)
@@ -305,7 +306,7 @@ def raw_write(folder: Path, total: int, threads: int, object_bytes: int = 16 << 
     """GB/s of O_DIRECT writes of 16 MiB objects with ``threads`` writers (hsx's I/O pool)."""
     import numpy as np
 
-    from hsx.local_io import aligned_empty, write_local_atomic
+    from hsx.store.local_io import aligned_empty, write_local_atomic
 
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -328,8 +329,8 @@ def raw_write(folder: Path, total: int, threads: int, object_bytes: int = 16 << 
 
 
 def prepare(args: argparse.Namespace, work: Path) -> None:
-    from hsx.sample_data import write_jsonl
-    from hsx.tiny_models import ensure_tiny_models, train_tokenizer
+    from hsx.data.sample_data import write_jsonl
+    from hsx.data.tiny_models import ensure_tiny_models, train_tokenizer
 
     if args.tiny:
         args.model_dir = str(ensure_tiny_models(work / "models")["tiny-llama"])
@@ -450,7 +451,7 @@ def main() -> None:
     def disk_raw_write() -> float | None:
         if "disk" not in args.stores:
             return None
-        from hsx.extract import _IO_THREADS
+        from hsx.extraction.chunk_extraction import _IO_THREADS
 
         total = 4 << 30 if args.tiny else 8 << 30
         return raw_write(Path(args.disk_dir) / "raw", total, _IO_THREADS)

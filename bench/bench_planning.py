@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def child(model: str, dataset: str) -> None:
     """One planning pass in this (fresh) process: tokens/s and peak RSS, as a JSON line."""
-    from hsx.pipeline import plan_and_create_store
+    from hsx.extraction.steps import plan_and_create_store
     from settings import HsxSettings
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -92,7 +92,7 @@ def main() -> None:
     if args.child:
         child(*args.child)
         return
-    from hsx.tiny_models import ensure_tiny_models
+    from hsx.data.tiny_models import ensure_tiny_models
 
     model = ensure_tiny_models(ROOT / "models")[args.model]
     source = ROOT / "data" / "sample_conversations.jsonl"

@@ -87,7 +87,7 @@ def extraction_runner(
 ) -> Callable[..., dict[str, float]]:
     """hsx's extraction of every work chunk into a fresh store (planning excluded, engine
     loaded or server connected before the timer starts); ``keep``: the store's URL, kept."""
-    from hsx.pipeline import plan_and_create_store, run_spec
+    from hsx.extraction.steps import plan_and_create_store, run_spec
 
     passes = 0
     scratch = Path(spec["scratch"])
@@ -101,7 +101,7 @@ def extraction_runner(
             engine = get_engine(settings.model, settings.engine, run_spec(settings).layer_ids)
             engine.extract([np.asarray([1, 2, 3])])
         else:
-            from hsx.served import check_servers
+            from hsx.preflight.servers import check_servers
 
             result = check_servers(settings, run_spec(settings))
             if result.status.value == "fail":
@@ -164,8 +164,8 @@ def plain_runner(spec: dict[str, Any], urls: list[str]) -> Callable[[], dict[str
     import httpx
     from bench_gpu import tokenized
 
-    from hsx.extract import batches
-    from hsx.served import served_queue_limit
+    from hsx.extraction.chunk_extraction import batches
+    from hsx.extraction.served_chunks import served_queue_limit
 
     settings = bench_settings(spec, "memory://unused", urls)
     samples = tokenized(settings)
@@ -303,7 +303,7 @@ def main() -> None:
         serve_child(extraction_runner(spec, None))
         return
 
-    from hsx.sample_data import write_jsonl
+    from hsx.data.sample_data import write_jsonl
 
     scratch = Path(
         tempfile.mkdtemp(prefix="hsx-bench-serve-", dir="/dev/shm" if args.gpu else None)
@@ -318,7 +318,7 @@ def main() -> None:
             prepare(args, scratch)
             model = args.model_dir
         else:
-            from hsx.tiny_models import ensure_tiny_models
+            from hsx.data.tiny_models import ensure_tiny_models
 
             model = str(ensure_tiny_models(ROOT / "models")["tiny-llama"])
         engine, data = bench_engine(args.gpu, args.dtype)

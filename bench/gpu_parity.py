@@ -29,7 +29,7 @@ def main() -> None:
             for line in result.details[:6]:
                 print(f"    {line}")
     # float32 on the GPU, reported (not judged): vLLM's Triton attention uses TF32 dots.
-    from hsx.plan import read_config, text_config
+    from hsx.model.config import read_config, text_config
     from hsx.preflight.probe import run_probe
     from settings import EngineSettings
 

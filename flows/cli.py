@@ -121,7 +121,7 @@ def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:
 
 def run_extraction(settings: Any) -> int:
     from hsx.errors import HsxError
-    from hsx.pipeline import validate_inputs
+    from hsx.preflight.inputs import validate_inputs
 
     try:
         # Seconds, before Prefect and the engine start: bad input never reaches the store.
@@ -170,7 +170,7 @@ def _run_flow(settings: Any, stop: SignalStop) -> int:
 
 
 def stored_bytes(store_url: str) -> int | None:
-    from hsx.store import ExtractionStore
+    from hsx.store.zarr_store import ExtractionStore
 
     try:
         return ExtractionStore.open(store_url).nbytes_stored()
@@ -183,7 +183,7 @@ def report_stopped(settings: Any, signum: int | None, detail: str) -> int:
     import shlex
     import signal
 
-    from hsx.store import ExtractionStore
+    from hsx.store.zarr_store import ExtractionStore
 
     try:
         store = ExtractionStore.open(settings.store)
@@ -293,7 +293,7 @@ def demo(
     model: Annotated[str, typer.Option(help="tiny-llama or tiny-deepseek-v3.")] = "tiny-llama",
 ) -> None:
     """The main job on the embedded default: tiny bundled model, bundled dataset, no server."""
-    from hsx.tiny_models import TINY_MODEL_NAMES, ensure_tiny_models
+    from hsx.data.tiny_models import TINY_MODEL_NAMES, ensure_tiny_models
 
     if model not in TINY_MODEL_NAMES:
         _fail(f"--model: expected one of {TINY_MODEL_NAMES}, found {model!r}")
@@ -318,7 +318,7 @@ def _older_store_layout(
     """A store written before hsx kept hsx-layout.json: its metadata documents cannot be
     checked. With --repair (and everything committed verifying), they are checked against what
     the store recorded and the copy is written."""
-    from hsx.layout_copy import COPY_NAME, has_layout_copy, upgrade_layout_copy
+    from hsx.store.layout_copy import COPY_NAME, has_layout_copy, upgrade_layout_copy
 
     if has_layout_copy(fs, root, store_url):
         return
@@ -361,13 +361,13 @@ def verify(
 ) -> None:
     """Re-hash every committed chunk; exit 0 only when every planned chunk verifies."""
     from hsx.errors import HsxError
-    from hsx.store import ExtractionStore
-    from hsx.verify import repair_store, verify_store
+    from hsx.store.verify import repair_store, verify_store
+    from hsx.store.zarr_store import ExtractionStore
 
     if (model is None) != (dataset is None) or (model is not None and not repair):
         _fail("--model and --dataset: expected both, with --repair, or neither")
-    from hsx.layout_copy import COPY_NAME, metadata_problems, repair_metadata
-    from hsx.store import fs_and_root
+    from hsx.store.layout_copy import COPY_NAME, metadata_problems, repair_metadata
+    from hsx.store.zarr_store import fs_and_root
 
     damaged: list[str] = []
     try:
@@ -430,8 +430,8 @@ def info(
     from dataclasses import asdict
 
     from hsx.errors import HsxError
-    from hsx.run_records import records_beside
-    from hsx.store import ExtractionStore, existing_store_meta
+    from hsx.store.run_records import records_beside
+    from hsx.store.zarr_store import ExtractionStore, existing_store_meta
 
     try:
         beside = records_beside(store_url)
@@ -588,7 +588,7 @@ def make_tiny_models(
     target: Annotated[Path, typer.Argument(help="Folder to build the models in.")],
 ) -> None:
     """Build the tiny Llama and DeepSeek-V3 models (seeded random weights, local tokenizer)."""
-    from hsx.tiny_models import ensure_tiny_models
+    from hsx.data.tiny_models import ensure_tiny_models
 
     for name, path in ensure_tiny_models(target).items():
         console.print(f"{name}: {path}")

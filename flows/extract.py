@@ -34,11 +34,11 @@ from flows.reporting import (
     tag_run,
 )
 from hsx.errors import HsxError
-from hsx.extract import MAX_CHUNKS_IN_FLIGHT
+from hsx.extraction.chunk_extraction import MAX_CHUNKS_IN_FLIGHT
+from hsx.extraction.steps import chunk_concurrency, resolve_settings
 from hsx.interrupt import request_stop, stop_reason, stop_requested
-from hsx.pipeline import chunk_concurrency, resolve_settings
-from hsx.run_records import RunAttempt, record_attempt
-from hsx.store import ExtractionStore
+from hsx.store.run_records import RunAttempt, record_attempt
+from hsx.store.zarr_store import ExtractionStore
 from settings import HsxSettings
 from tasks.common import backoff, describe
 from tasks.extract import extract_chunk_task
@@ -157,7 +157,7 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
     done = 0
     loop_started = time.perf_counter()
     # Enough chunk tasks at once that their batches fill the engine's queue while others write
-    # and commit (hsx.extract.chunks_in_flight): the engine never waits for a commit.
+    # and commit (hsx.extraction.chunk_extraction.chunks_in_flight): the engine never waits for a commit.
     concurrency = chunk_concurrency(settings, int(plan["tokens"]), int(plan["chunks"]))
     logger.info("%d work chunks in flight at once", concurrency)
     try:

@@ -9,7 +9,7 @@ from typing import Any
 
 from prefect import flow
 
-from hsx.pipeline import resolve_settings
+from hsx.extraction.steps import resolve_settings
 from settings import CaptureSettings, EngineSettings, HsxSettings
 from tasks.preflight import model_load_probe_task, signature_validation_task
 

@@ -15,7 +15,7 @@ from prefect.artifacts import (
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
-from hsx.run_records import RunAttempt
+from hsx.store.run_records import RunAttempt
 from settings import HsxSettings, merge_partial
 
 

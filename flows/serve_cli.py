@@ -101,7 +101,7 @@ def serve(
 def run_server(settings: Any) -> int:
     """Preflight, then the server until it stops; the exit code."""
     from hsx.errors import HsxError
-    from hsx.serve import check_port_free, serve, serve_preflight
+    from hsx.serve.server import check_port_free, serve, serve_preflight
 
     try:
         check_port_free(settings.server.host, settings.server.port)  # seconds, not after the load

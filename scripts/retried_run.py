@@ -18,8 +18,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hsx.pipeline import plan_and_create_store, resolve_settings
-from hsx.store import ExtractionStore
+from hsx.extraction.steps import plan_and_create_store, resolve_settings
+from hsx.store.zarr_store import ExtractionStore
 from settings import HsxSettings, merge_partial
 
 

@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from settings.models import CaptureSettings, EngineSettings
 from settings.strict import StrictSection, refuse_unknown_keys
 
-# vLLM server flags hsx sets itself (hsx.serve): an extra argument may not set them again, or
+# vLLM server flags hsx sets itself (hsx.serve.server): an extra argument may not set them again, or
 # the server would capture something other than what /hsx/info says (prefix caching on skips
 # the forward of repeated tokens; another speculative config captures other layers).
 RESERVED_VLLM_FLAGS = frozenset(
@@ -149,7 +149,7 @@ _EXTRACTION_ONLY = frozenset({"dataset", "store", "data", "layout", "run", "pipe
 
 
 class ServeSettings(BaseSettings):
-    """Everything `hsx serve` needs. The CLI builds it; hsx.serve takes it."""
+    """Everything `hsx serve` needs. The CLI builds it; hsx.serve.server takes it."""
 
     model_config = SettingsConfigDict(
         env_prefix="HSX_", env_nested_delimiter="__", extra="forbid", validate_default=True

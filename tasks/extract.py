@@ -8,9 +8,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
-from hsx.extract import RunContext
-from hsx.pipeline import extract_work_chunk
-from hsx.planning import code_version
+from hsx.extraction.chunk_extraction import RunContext
+from hsx.extraction.steps import extract_work_chunk
+from hsx.plan.building import code_version
 from settings import HsxSettings
 from tasks.common import logged_failures, retry_unless_fatal
 

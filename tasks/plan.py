@@ -8,7 +8,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from hsx.pipeline import check_resume, plan_and_create_store
+from hsx.extraction.steps import check_resume, plan_and_create_store
 from settings import HsxSettings
 from tasks.common import logged_failures
 

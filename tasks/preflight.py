@@ -106,8 +106,8 @@ def model_load_probe_task(settings: HsxSettings) -> dict[str, Any]:
 @task(name="server-check", cache_policy=NO_CACHE, persist_result=False, retries=0)
 def server_check_task(settings: HsxSettings) -> dict[str, Any]:
     with logged_failures("server check") as logger:
-        from hsx.pipeline import run_spec
-        from hsx.served import check_servers
+        from hsx.extraction.steps import run_spec
+        from hsx.preflight.servers import check_servers
 
         result = check_servers(settings, run_spec(settings))
         return _publish(settings, result, "hsx-preflight-servers", "server check", logger)

@@ -8,7 +8,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from hsx.pipeline import verify
+from hsx.extraction.steps import verify
 from tasks.common import logged_failures
 
 

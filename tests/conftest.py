@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from hsx.tiny_models import ensure_tiny_models
+    from hsx.data.tiny_models import ensure_tiny_models
 
     return ensure_tiny_models(tmp_path_factory.mktemp("tiny-models"))
 

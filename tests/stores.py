@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hsx.reader import HiddenStatesReader
+from hsx.store.reader import HiddenStatesReader
 
 
 @dataclass
@@ -46,7 +46,7 @@ def max_difference_from_hf(model_dir: Path, url: str) -> tuple[int, float]:
     (samples compared, the largest |store - HF| over every captured layer and token)."""
     import torch
 
-    from hsx.engine.hf_reference import hf_hidden_states, load_hf_model
+    from hsx.preflight.hf_reference import hf_hidden_states, load_hf_model
 
     reader = HiddenStatesReader(url)
     hf = load_hf_model(model_dir)

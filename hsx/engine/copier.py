@@ -30,7 +30,7 @@ import torch
 
 from hsx import timings
 from hsx.engine.channel_files import create_in_channel
-from hsx.local_io import aligned_cpu_tensor
+from hsx.store.local_io import aligned_cpu_tensor
 
 logger = logging.getLogger(__name__)
 

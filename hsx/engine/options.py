@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import ConfigError
-from hsx.limits import model_max_len
-from hsx.plan import read_config, text_config
+from hsx.model.config import read_config, text_config
+from hsx.model.limits import model_max_len
 from settings import EngineSettings
 
 # Where vLLM finds hsx's connector (hsx.engine.connector imports vLLM, so the names live here).

@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import torch
 
-from hsx.capture_checks import CapturedDataError
+from hsx.engine.capture_checks import CapturedDataError
 from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
 from hsx.engine.results import ResultRendezvous
 from hsx.engine.server_protocol import (

@@ -152,7 +152,7 @@ def engine_core_watch_problems() -> list[str]:
 
 def request_output_problems() -> list[str]:
     """The engine's finished outputs must carry the prompt's token ids: hsx checks them against
-    the planned ids before it keeps a request's states (hsx.capture_checks)."""
+    the planned ids before it keeps a request's states (hsx.engine.capture_checks)."""
     import inspect
 
     from vllm.outputs import RequestOutput

@@ -27,15 +27,15 @@ import numpy as np
 import torch
 
 from hsx import timings
-from hsx.capture_checks import CapturedDataError, check_token_ids
 from hsx.engine import connector as hsx_connector
+from hsx.engine.capture_checks import CapturedDataError, check_token_ids
 from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
 from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
 from hsx.engine.results import ResultRendezvous
 from hsx.engine.shm_folders import make_owned_folder
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
-from hsx.plan import read_config, text_config
+from hsx.model.config import read_config, text_config
 from settings import EngineSettings
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.layers import default_layer_ids
+from hsx.model.config import text_config
+from hsx.model.layers import default_layer_ids
 from hsx.preflight.report import CheckResult, Status
-from hsx.preflight.resolve import ResolvedArchitecture, layer_loop_call, text_config_of
+from hsx.preflight.resolve import ResolvedArchitecture, layer_loop_call
 
 # Known-bad (architecture, vLLM version prefix) pairs: {(arch, "0.32."): "why and what to do"}.
 # why a table: some breakages are only learnt from a failed run; record them here so the next
@@ -120,7 +121,7 @@ def check_capture_contract(
             f"(expected SupportsEagle3 in vLLM {version}; found none): {_REFERENCE_PATH}",
             (f"class: {resolved.module_name}.{name}",),
         )
-    text = text_config_of(config)
+    text = text_config(config)
     num_layers = text.get("num_hidden_layers")
     if not isinstance(num_layers, int) or num_layers < 1:
         return CheckResult(

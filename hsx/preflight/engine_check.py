@@ -13,7 +13,7 @@ from typing import Any
 
 from hsx.engine.options import choose_attention_backend, kv_bytes_per_token, resolve_dtype
 from hsx.errors import ConfigError
-from hsx.limits import model_max_len
+from hsx.model.limits import model_max_len
 from hsx.preflight.report import CheckResult, Status
 from settings import EngineSettings
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from hsx.data.tiny_models import seeded_init
 from hsx.preflight.report import CheckResult, Status
-from hsx.tiny_models import seeded_init
 from settings import EngineSettings
 from settings.models import SettingsWithoutEnvironment
 
@@ -68,7 +68,7 @@ def _hf_spread(
 
     import torch
 
-    from hsx.engine.hf_reference import hf_hidden_states
+    from hsx.preflight.hf_reference import hf_hidden_states
 
     low = copy.deepcopy(hf_model).to(getattr(torch, dtype))
     lowered = hf_hidden_states(low, [s.input_ids.numpy() for s in samples], layer_ids)
@@ -191,14 +191,14 @@ def run_probe(
     GPUs, compared with HF float32 within BF16_SPREAD_FACTOR x HF's own bfloat16 spread. On
     GPUs vLLM has no float32 MLA backend, and its Triton attention kernels compute float32 dots
     in TF32 (measured on the H200, reduced Llama: 5.7e-3..2.1e-2 against HF float32)."""
-    from hsx.dataset import TokenizedSample  # noqa: F401  (import check: the path loads)
-    from hsx.engine.hf_reference import hf_hidden_states
+    from hsx.data.sample_data import write_jsonl
+    from hsx.data.tiny_models import train_tokenizer
+    from hsx.data.tokenization import TokenizedSample  # noqa: F401  (import check: the path loads)
     from hsx.engine.vllm_engine import drop_engine
-    from hsx.extract import RunContext
-    from hsx.pipeline import extract_work_chunk, plan_and_create_store
-    from hsx.reader import HiddenStatesReader
-    from hsx.sample_data import write_jsonl
-    from hsx.tiny_models import train_tokenizer
+    from hsx.extraction.chunk_extraction import RunContext
+    from hsx.extraction.steps import extract_work_chunk, plan_and_create_store
+    from hsx.preflight.hf_reference import hf_hidden_states
+    from hsx.store.reader import HiddenStatesReader
 
     started = time.perf_counter()
     num_layers = int(text["num_hidden_layers"])

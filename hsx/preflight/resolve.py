@@ -433,12 +433,6 @@ def _find_backbone(
     return None
 
 
-def text_config_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The decoder's config: ``text_config`` for multimodal wrappers, else the config itself."""
-    text = config.get("text_config")
-    return text if isinstance(text, Mapping) and "num_hidden_layers" in text else config
-
-
 def resolve_architecture(config: Mapping[str, Any]) -> ResolvedArchitecture:
     """Resolve ``config["architectures"][0]`` to vLLM classes, without weights or instances."""
     archs = config.get("architectures")

@@ -8,14 +8,12 @@ biases and small buffers, which are well under 1% for the models hsx targets.
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
+from hsx.model.config import text_config
 from hsx.preflight.report import CheckResult, Status
-from hsx.preflight.resolve import text_config_of
+from hsx.store.storage_io import free_bytes_at
 
 GIB = 1024**3
 # why: vLLM's default gpu_memory_utilization is 0.9, and the KV cache needs room beyond weights.
@@ -70,7 +68,7 @@ def _mlp_params(cfg: Mapping[str, Any], hidden: int, moe: bool) -> int:
 
 def estimate_param_count(config: Mapping[str, Any]) -> int:
     """Parameters config.json implies, including MTP layers shipped in the checkpoint."""
-    cfg = text_config_of(config)
+    cfg = text_config(config)
     hidden = _int(cfg, "hidden_size", "d_model", "n_embd")
     layers = _int(cfg, "num_hidden_layers", "n_layer")
     vocab = _int(cfg, "vocab_size")
@@ -94,7 +92,7 @@ def estimate_param_count(config: Mapping[str, Any]) -> int:
 
 def bytes_per_param(config: Mapping[str, Any]) -> float:
     """Bytes per weight the checkpoint stores: quantization bits if quantized, else the dtype."""
-    quant = config.get("quantization_config") or text_config_of(config).get("quantization_config")
+    quant = config.get("quantization_config") or text_config(config).get("quantization_config")
     if isinstance(quant, Mapping):
         method = str(quant.get("quant_method", "")).lower()
         bits = _find_bits(quant)
@@ -126,27 +124,6 @@ def _find_bits(quant: Mapping[str, Any]) -> int | None:
 def estimate_weight_bytes(config: Mapping[str, Any]) -> int:
     """Bytes of weights config.json implies (parameter count x stored bytes per parameter)."""
     return int(estimate_param_count(config) * bytes_per_param(config))
-
-
-def free_bytes_at(store_url: str) -> tuple[Path, int] | None:
-    """(checked folder, free bytes) for a local store URL; None where it cannot be known."""
-    local = _local_path(store_url)
-    return _free_bytes(local) if local is not None else None
-
-
-def _local_path(store_url: str) -> Path | None:
-    parsed = urlparse(store_url)
-    if parsed.scheme in ("", "file") or len(parsed.scheme) == 1:  # len 1: a Windows drive letter
-        return Path(parsed.path if parsed.scheme == "file" else store_url)
-    return None
-
-
-def _free_bytes(path: Path) -> tuple[Path, int]:
-    """Free bytes on the filesystem of ``path`` or of its nearest existing parent."""
-    probe = path.expanduser().absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return probe, shutil.disk_usage(probe).free
 
 
 def _gib(n: float) -> str:
@@ -192,7 +169,7 @@ def check_resources(
             statuses.append(Status.WARN)
             details.append(f"weights take {share:.0%} of device memory: little room for KV cache")
 
-    local = _local_path(store_url)
+    free_space = free_bytes_at(store_url)
     if dataset_tokens is None:
         parts.append("store size unknown (dataset tokens not counted)")
     else:
@@ -200,10 +177,10 @@ def check_resources(
         details.append(
             f"store: {bytes_per_token:,} B/token x {dataset_tokens:,} tokens = {_gib(needed)}"
         )
-        if local is None:
+        if free_space is None:
             parts.append(f"store needs {_gib(needed)} (free space at {store_url} unknown)")
         else:
-            probe, free = _free_bytes(local)
+            probe, free = free_space
             parts.append(f"store needs {_gib(needed)} of {_gib(free)} free")
             details.append(f"free space measured at {probe}")
             if needed > free:

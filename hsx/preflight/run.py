@@ -12,8 +12,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from hsx.layers import convert_layer_ids, default_layer_ids
-from hsx.plan import read_config, text_config
+from hsx.model.config import read_config, text_config
+from hsx.model.layers import convert_layer_ids, default_layer_ids
 from hsx.preflight.report import CheckResult, PreflightReport, Status
 from settings import CaptureSettings, EngineSettings
 

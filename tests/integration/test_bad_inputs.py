@@ -351,10 +351,10 @@ def test_an_over_length_sample_is_truncated_to_data_max_length(
 ) -> None:
     """A conversation longer than data.max_length is kept, cut to its first max_length tokens
     (settings: "Samples are truncated to this many tokens"); a short one is stored whole."""
-    from hsx.dataset import tokenize_conversation
-    from hsx.pipeline import plan_and_create_store
-    from hsx.planning import load_tokenizer
-    from hsx.store import ExtractionStore
+    from hsx.data.tokenization import tokenize_conversation
+    from hsx.extraction.steps import plan_and_create_store
+    from hsx.plan.building import load_tokenizer
+    from hsx.store.zarr_store import ExtractionStore
     from tests.conftest import make_settings
 
     long = {"messages": [{"role": "user", "content": "word " * 400}, GOOD["messages"][1]]}
@@ -455,9 +455,9 @@ def test_a_bad_model_folder_fails_preflight_before_the_model_load(
 def test_resuming_a_store_planned_with_other_inputs_is_refused_naming_the_change(
     changed: str, tiny_llama: Path, tiny_deepseek: Path, dataset: Path, tmp_path: Path
 ) -> None:
-    from hsx.pipeline import plan_and_create_store
-    from hsx.plan import read_config
-    from hsx.planning import config_hash
+    from hsx.extraction.steps import plan_and_create_store
+    from hsx.model.config import read_config
+    from hsx.plan.building import config_hash
     from settings import HsxSettings
 
     url = tmp_path / "store"

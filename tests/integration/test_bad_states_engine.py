@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from hsx.capture_checks import CapturedDataError
-from hsx.extract import RunContext
-from hsx.pipeline import extract_work_chunk, plan_and_create_store
-from hsx.reader import HiddenStatesReader
-from hsx.store import ExtractionStore
-from hsx.verify import verify_store
+from hsx.engine.capture_checks import CapturedDataError
+from hsx.extraction.chunk_extraction import RunContext
+from hsx.extraction.steps import extract_work_chunk, plan_and_create_store
+from hsx.store.reader import HiddenStatesReader
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import make_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]

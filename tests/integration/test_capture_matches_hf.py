@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from hsx.dataset import iter_conversations, tokenize_conversation
-from hsx.engine.hf_reference import hf_hidden_states, load_hf_model
+from hsx.data.tokenization import iter_conversations, tokenize_conversation
 from hsx.engine.vllm_engine import engine_is_loaded, get_engine
-from hsx.extract import RunContext
-from hsx.pipeline import extract_work_chunk, plan_and_create_store, run_spec
-from hsx.planning import load_tokenizer
-from hsx.reader import HiddenStatesReader
-from hsx.store import ExtractionStore
-from hsx.verify import verify_store
+from hsx.extraction.chunk_extraction import RunContext
+from hsx.extraction.steps import extract_work_chunk, plan_and_create_store, run_spec
+from hsx.plan.building import load_tokenizer
+from hsx.preflight.hf_reference import hf_hidden_states, load_hf_model
+from hsx.store.reader import HiddenStatesReader
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import make_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

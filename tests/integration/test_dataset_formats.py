@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from hsx.dataset import iter_conversations, tokenize_conversation
+from hsx.data.tokenization import iter_conversations, tokenize_conversation
 from hsx.errors import DatasetError
-from hsx.pipeline import plan_and_create_store
-from hsx.planning import load_tokenizer
-from hsx.store import ExtractionStore
+from hsx.extraction.steps import plan_and_create_store
+from hsx.plan.building import load_tokenizer
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import make_settings
 
 pytestmark = pytest.mark.timeout(300)
@@ -192,9 +192,9 @@ def test_a_parquet_dataset_extracts_the_same_states_as_its_jsonl(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from hsx.extract import RunContext
-    from hsx.pipeline import extract_work_chunk
-    from hsx.reader import HiddenStatesReader
+    from hsx.extraction.chunk_extraction import RunContext
+    from hsx.extraction.steps import extract_work_chunk
+    from hsx.store.reader import HiddenStatesReader
 
     rows = _rows(sample_dataset)[:12]
     jsonl = tmp_path / "rows.jsonl"

@@ -16,8 +16,8 @@ from typing import Any
 import psutil
 import pytest
 
-from hsx import extract
-from hsx.store import ExtractionStore
+from hsx.extraction import chunk_extraction as extract
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import make_settings
 from tests.integration.test_flow import flow_logs
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hsx import extract
 from hsx.errors import RequestRefusedError
-from hsx.extract import RunContext, engine_queue_limit, extract_chunk
-from hsx.plan import Plan, cut_chunks
-from hsx.store import ExtractionStore
-from hsx.token_spool import TokenSpool
-from hsx.verify import verify_store
+from hsx.extraction import chunk_extraction as extract
+from hsx.extraction.chunk_extraction import RunContext, engine_queue_limit, extract_chunk
+from hsx.plan.chunks import Plan, cut_chunks
+from hsx.plan.token_spool import TokenSpool
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import make_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -43,7 +43,7 @@ def test_a_prompt_the_engine_refuses_fails_its_chunk_alone(
     tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:
     from hsx.engine.vllm_engine import get_engine
-    from hsx.pipeline import run_spec
+    from hsx.extraction.steps import run_spec
 
     settings = make_settings(tiny_llama, sample_dataset, str(tmp_path / "unused.zarr"))
     spec = run_spec(settings)

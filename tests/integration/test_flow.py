@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hsx.store import ExtractionStore
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import REPO_ROOT, make_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -199,7 +199,7 @@ def test_failed_chunk_retries_alone_and_resumes(
     )
     # A real storage fault: a directory where work chunk 1's first hidden-state object must go,
     # so every write of that chunk fails (root ignores permission bits).
-    from hsx.pipeline import plan_and_create_store
+    from hsx.extraction.steps import plan_and_create_store
 
     plan = plan_and_create_store(settings)
     store = ExtractionStore.open(url)
@@ -276,7 +276,7 @@ def test_a_fatal_error_in_a_chunk_task_runs_once(
     its log says so with the traceback. (Transient faults retrying: the test above.)"""
     from prefect import flow
 
-    from hsx.pipeline import plan_and_create_store
+    from hsx.extraction.steps import plan_and_create_store
     from tasks.extract import extract_chunk_task
 
     settings = make_settings(tiny_llama, sample_dataset, str(tmp_path / "s.zarr"))

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hsx.store import ExtractionStore
-from hsx.verify import verify_store
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import REPO_ROOT
 from tests.integration.test_kill_resume import extract_command
 

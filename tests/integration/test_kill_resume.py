@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hsx.reader import HiddenStatesReader
-from hsx.store import ExtractionStore
-from hsx.verify import verify_store
+from hsx.store.reader import HiddenStatesReader
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 from tests.cli import HSX
 from tests.conftest import REPO_ROOT
 from tests.stores import compare_stores

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hsx.dataset import iter_conversations, tokenize_conversation
-from hsx.pipeline import plan_and_create_store
-from hsx.planning import load_tokenizer
-from hsx.reader import HiddenStatesReader
-from hsx.store import ExtractionStore
+from hsx.data.tokenization import iter_conversations, tokenize_conversation
+from hsx.extraction.steps import plan_and_create_store
+from hsx.plan.building import load_tokenizer
+from hsx.store.reader import HiddenStatesReader
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import make_settings
 
 pytestmark = pytest.mark.timeout(300)

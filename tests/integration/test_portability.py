@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsx.engine.hf_reference import hf_hidden_states, load_hf_model
 from hsx.engine.options import AMX_MLA, CPU_MLA, cpu_has_amx_tiles
 from hsx.engine.platform import exit_description
-from hsx.extract import RunContext
-from hsx.limits import model_max_len
-from hsx.pipeline import extract_work_chunk, plan_and_create_store
-from hsx.plan import read_config
-from hsx.reader import HiddenStatesReader
-from hsx.store import ExtractionStore
-from hsx.verify import verify_store
+from hsx.extraction.chunk_extraction import RunContext
+from hsx.extraction.steps import extract_work_chunk, plan_and_create_store
+from hsx.model.config import read_config
+from hsx.model.limits import model_max_len
+from hsx.preflight.hf_reference import hf_hidden_states, load_hf_model
+from hsx.store.reader import HiddenStatesReader
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import REPO_ROOT, SAMPLE_DATASET, make_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -127,8 +127,8 @@ def test_engine_in_a_fresh_process(tiny_llama: Path, tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         from pathlib import Path
-        from hsx.extract import RunContext
-        from hsx.pipeline import extract_work_chunk, plan_and_create_store
+        from hsx.extraction.chunk_extraction import RunContext
+        from hsx.extraction.steps import extract_work_chunk, plan_and_create_store
         from settings import HsxSettings
         settings = HsxSettings(
             model=Path({str(tiny_llama)!r}), dataset=Path({str(SAMPLE_DATASET)!r}),

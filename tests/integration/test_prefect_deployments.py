@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsx.store import ExtractionStore
+from hsx.store.zarr_store import ExtractionStore
 from tests.cli import hsx
 from tests.conftest import REPO_ROOT
 from tests.prefect_stack import Stack, running_stack
@@ -80,7 +80,7 @@ def test_three_deployments_run_with_partial_parameters(stack: Stack, tmp_path: P
 def test_a_failed_chunk_is_retried_from_the_ui_alone_and_both_attempts_are_kept(
     stack: Stack, tmp_path: Path
 ) -> None:
-    from hsx.pipeline import plan_and_create_store, resolve_settings
+    from hsx.extraction.steps import plan_and_create_store, resolve_settings
     from settings import HsxSettings, merge_partial
 
     started = time.time()
@@ -197,7 +197,7 @@ def test_a_ui_cancel_ends_cancelled_with_an_honest_record(stack: Stack, tmp_path
     """The UI's Cancel of a worker-run extraction (Cancelling, then the runner's SIGTERM): the run
     ends Cancelled, nothing half-committed, and the store's record and `hsx runs` say what this
     attempt committed (chunks and tokens), what it abandoned, and how to finish."""
-    from hsx.verify import verify_store
+    from hsx.store.verify import verify_store
 
     store = str(tmp_path / "cancelled.zarr")
     settings = {  # ~60 chunks one at a time: tens of seconds, while a Cancel takes a few

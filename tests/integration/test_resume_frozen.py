@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hsx.errors import StoreError
-from hsx.pipeline import check_resume, plan_and_create_store
+from hsx.extraction.steps import check_resume, plan_and_create_store
 from tests.conftest import REPO_ROOT, make_settings
 
 pytestmark = [pytest.mark.timeout(300)]

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hsx.store import ExtractionStore
+from hsx.store.zarr_store import ExtractionStore
 from tests.cli import hsx, said
 from tests.conftest import make_settings
 from tests.integration.test_flow import flow_logs
@@ -268,8 +268,8 @@ def test_a_slow_server_never_holds_up_chunks_of_the_others(
     from hsx.engine.options import result_ring_bytes
     from hsx.engine.server_pool import ServerPool
     from hsx.engine.server_protocol import shm_folder
-    from hsx.pipeline import resolve_settings, run_spec
-    from hsx.served import server_expectation
+    from hsx.extraction.served_chunks import server_expectation
+    from hsx.extraction.steps import resolve_settings, run_spec
 
     slow = ThreadingHTTPServer(("127.0.0.1", 0), _SlowServer)
     threading.Thread(target=slow.serve_forever, daemon=True).start()
@@ -511,8 +511,8 @@ def test_two_servers_feed_one_run_and_take_over_when_one_dies(
 _KILLED_CLIENT = """
 import sys, numpy as np
 from pathlib import Path
-from hsx.pipeline import resolve_settings, run_spec
-from hsx.served import server_pool
+from hsx.extraction.steps import resolve_settings, run_spec
+from hsx.extraction.served_chunks import server_pool
 from tests.conftest import make_settings
 settings = resolve_settings(make_settings(
     Path(sys.argv[1]), Path(sys.argv[2]), "memory://killed",
@@ -538,8 +538,8 @@ def test_a_client_killed_mid_batch_leaves_the_server_serving_the_others(
 
     import numpy as np
 
-    from hsx.pipeline import resolve_settings, run_spec
-    from hsx.served import server_pool
+    from hsx.extraction.served_chunks import server_pool
+    from hsx.extraction.steps import resolve_settings, run_spec
     from tests.conftest import REPO_ROOT
 
     llama_server.ensure_up()
@@ -597,8 +597,8 @@ def test_a_closed_client_fails_its_unanswered_batches_at_once(
     from hsx.engine.server_client import ServerEngine
     from hsx.engine.server_protocol import shm_folder
     from hsx.errors import EngineError
-    from hsx.pipeline import resolve_settings, run_spec
-    from hsx.served import server_expectation
+    from hsx.extraction.served_chunks import server_expectation
+    from hsx.extraction.steps import resolve_settings, run_spec
 
     llama_server.ensure_up()
     settings = resolve_settings(

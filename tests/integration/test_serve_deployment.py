@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.store import ExtractionStore
+from hsx.store.zarr_store import ExtractionStore
 from tests.cli import hsx
 from tests.conftest import REPO_ROOT
 from tests.prefect_stack import Stack, running_stack
@@ -29,7 +29,7 @@ def _flow_logs(stack: Stack, run_id: str) -> list[str]:
 
 
 def test_two_runs_and_a_ui_retry_share_one_model_load(tmp_path: Path) -> None:
-    from hsx.pipeline import plan_and_create_store, resolve_settings
+    from hsx.extraction.steps import plan_and_create_store, resolve_settings
     from settings import HsxSettings, merge_partial
 
     with running_stack("sqlite") as stack:

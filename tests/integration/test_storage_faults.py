@@ -33,8 +33,8 @@ from typing import Any
 import fsspec
 import pytest
 
-from hsx.store import ExtractionStore
-from hsx.verify import verify_store
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 from tests.cli import hsx
 from tests.conftest import make_settings, missing_component
 from tests.fault_proxy import FaultProxy
@@ -197,11 +197,11 @@ def test_an_io_error_of_one_write_is_retried_and_the_run_completes(
 ) -> None:
     """EIO from the write syscall of chunk 1's first hidden-state object, once. No device here
     produces an EIO on demand (no device-mapper in this kernel), so it is raised where the
-    kernel's would surface: hsx.local_io._write_all, under the real store and flow."""
-    import hsx.local_io
+    kernel's would surface: hsx.store.local_io._write_all, under the real store and flow."""
+    import hsx.store.local_io
     from flows.extract import extract_flow
 
-    real_write_all = hsx.local_io._write_all
+    real_write_all = hsx.store.local_io._write_all
     raised: list[str] = []
 
     def write_all_failing_once(fd: int, payload: memoryview) -> None:
@@ -211,7 +211,7 @@ def test_an_io_error_of_one_write_is_retried_and_the_run_completes(
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         real_write_all(fd, payload)
 
-    monkeypatch.setattr(hsx.local_io, "_write_all", write_all_failing_once)
+    monkeypatch.setattr(hsx.store.local_io, "_write_all", write_all_failing_once)
     url = str(tmp_path / "eio.zarr")
     summary = extract_flow(_settings(url, tiny_llama, sample_dataset))
     assert raised and summary["verified"] and summary["chunks_failed"] == []
@@ -352,7 +352,7 @@ def test_a_write_that_fails_for_good_costs_that_chunk_alone(
     """Chunk 1's first hidden-state object cannot be written: a directory in its place (local,
     memory://), or a persistent HTTP 500 for its key (s3://)."""
     from flows.extract import ExtractionIncompleteError, extract_flow
-    from hsx.pipeline import plan_and_create_store
+    from hsx.extraction.steps import plan_and_create_store
 
     url = {
         "local": str(tmp_path / "blocked.zarr"),
@@ -403,8 +403,8 @@ def test_a_dataset_on_s3_plans_as_its_local_copy(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from hsx.dataset import fingerprint_dataset
-    from hsx.pipeline import plan_and_create_store
+    from hsx.data.tokenization import fingerprint_dataset
+    from hsx.extraction.steps import plan_and_create_store
 
     rows = [json.loads(line) for line in sample_dataset.read_text().splitlines()[:16]]
     s3 = fsspec.filesystem("s3")

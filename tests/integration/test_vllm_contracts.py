@@ -105,8 +105,8 @@ def test_the_servers_contracts_hold_in_the_installed_vllm_and_a_moved_one_is_nam
 def test_vllm_serve_reads_hsx_flags_back_and_refuses_a_wrong_one(tiny_llama: object) -> None:
     from pathlib import Path
 
-    from hsx.plan import read_config
-    from hsx.serve import plan_server, vllm_argument_problems
+    from hsx.model.config import read_config
+    from hsx.serve.server import plan_server, vllm_argument_problems
     from settings import ServeSettings
 
     settings = ServeSettings(model=Path(str(tiny_llama)), engine={"dtype": "float32"})

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from hsx.capture_checks import CapturedDataError, SampleScan, check_token_ids
-from hsx.extract import RunContext, extract_chunk
-from hsx.reader import HiddenStatesReader
-from hsx.store import ExtractionStore
-from hsx.verify import verify_store
+from hsx.engine.capture_checks import CapturedDataError, SampleScan, check_token_ids
+from hsx.extraction.chunk_extraction import RunContext, extract_chunk
+from hsx.store.reader import HiddenStatesReader
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 from tests.unit.test_plan_store import StatesEngine, make_plan, meta
 
 pytestmark = pytest.mark.timeout(120)

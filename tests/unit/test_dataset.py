@@ -1,4 +1,4 @@
-"""hsx.dataset: JSONL validation errors, chat-template loss masks, truncation, fingerprints."""
+"""hsx.data.tokenization: JSONL validation errors, chat-template loss masks, truncation, fingerprints."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from hsx.dataset import (
+from hsx.data.tiny_models import train_tokenizer
+from hsx.data.tokenization import (
     _loss_mask,
     fingerprint_file,
     fingerprint_tokenizer,
@@ -20,7 +21,6 @@ from hsx.dataset import (
     validate_dataset,
 )
 from hsx.errors import DatasetError
-from hsx.tiny_models import train_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -358,7 +358,7 @@ def test_tokenizer_fingerprint(tokenizer: Any, fresh_tokenizer: Any) -> None:
 
 
 def test_bundled_dataset_is_the_generators_output() -> None:
-    from hsx.sample_data import generate_conversations
+    from hsx.data.sample_data import generate_conversations
 
     bundled = Path(__file__).resolve().parents[2] / "data" / "sample_conversations.jsonl"
     lines = bundled.read_text(encoding="utf-8").splitlines()
@@ -368,7 +368,7 @@ def test_bundled_dataset_is_the_generators_output() -> None:
 def test_chat_length_conversations(tokenizer: Any) -> None:
     """The benchmark's chat-length conversations: lengths like ShareGPT/UltraChat, deterministic,
     with every assistant turn masked in."""
-    from hsx.sample_data import generate_conversations
+    from hsx.data.sample_data import generate_conversations
 
     conversations = list(generate_conversations(200, seed=3, chat_lengths=True))
     assert conversations == list(generate_conversations(200, seed=3, chat_lengths=True))
@@ -408,8 +408,8 @@ def test_batched_tokenization_equals_one_by_one_and_the_walked_mask(tokenizer: A
     """Planning tokenizes batches in one call: every sample equals its own tokenization
     (ids, mask, truncation), and the searched mask equals a token-by-token walk, also for
     offsets that go back (where the search falls back to walking)."""
-    from hsx.dataset import _assistant_spans, _normalize, _render, _special_ids
-    from hsx.sample_data import generate_conversations
+    from hsx.data.sample_data import generate_conversations
+    from hsx.data.tokenization import _assistant_spans, _normalize, _render, _special_ids
 
     conversations = [c["messages"] for c in generate_conversations(60, seed=5, chat_lengths=True)]
     for max_length in (1 << 16, 300):

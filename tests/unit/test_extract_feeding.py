@@ -3,7 +3,7 @@ fed whether a chunk holds one batch or many and never queues more than its limit
 real engine refuses gives its tokens back: tests/integration/test_engine_refusal.py.)
 
 The engine here is a stand-in that computes queued prompts on its own thread, a few tokens per
-"step": what is under test is how chunks queue work (hsx.extract), not the engine."""
+"step": what is under test is how chunks queue work (hsx.extraction.chunk_extraction), not the engine."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from hsx import extract
-from hsx.extract import (
+from hsx.extraction import chunk_extraction as extract
+from hsx.extraction.chunk_extraction import (
     CHUNKS_IN_FLIGHT,
     MAX_CHUNKS_IN_FLIGHT,
     RunContext,
@@ -25,7 +25,7 @@ from hsx.extract import (
     engine_queue_limit,
     extract_chunk,
 )
-from hsx.store import ExtractionStore
+from hsx.store.zarr_store import ExtractionStore
 from settings import PipelineSettings
 from tests.unit.test_plan_store import H, K, make_plan, meta
 

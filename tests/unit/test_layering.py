@@ -40,7 +40,7 @@ def test_imports_go_one_way(package: str) -> None:
 
 def test_importing_hsx_does_not_load_prefect() -> None:
     code = (
-        "import sys, hsx.pipeline, hsx.reader, hsx.store, hsx.verify, hsx.extract, hsx.planning;"
+        "import sys, hsx.extraction.steps, hsx.store.reader, hsx.store.zarr_store, hsx.store.verify, hsx.extraction.chunk_extraction, hsx.plan.building;"
         "bad = [m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -17,7 +17,7 @@ from hsx.engine.options import (
     kv_cache_bytes,
 )
 from hsx.errors import ConfigError
-from hsx.limits import model_max_len, resolve_lengths
+from hsx.model.limits import model_max_len, resolve_lengths
 from settings import EngineSettings, HsxSettings
 from tests.conftest import REPO_ROOT
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hsx import local_io
-from hsx.local_io import DIRECT_ALIGNMENT, aligned_empty, write_local_atomic
+from hsx.store import local_io
+from hsx.store.local_io import DIRECT_ALIGNMENT, aligned_empty, write_local_atomic
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from hsx.checksums import digest
 from hsx.errors import StoreError
-from hsx.extract import ChunkWriter, RunContext, chunk_samples, extract_chunk
-from hsx.layout_copy import METADATA_DOCUMENTS
-from hsx.plan import Plan, auto_work_chunk_tokens, cut_chunks
-from hsx.reader import HiddenStatesReader
-from hsx.store import ExtractionStore
-from hsx.token_spool import TokenSpool
-from hsx.verify import verify_store
+from hsx.extraction.chunk_extraction import ChunkWriter, RunContext, chunk_samples, extract_chunk
+from hsx.plan.chunks import Plan, auto_work_chunk_tokens, cut_chunks
+from hsx.plan.token_spool import TokenSpool
+from hsx.store.checksums import digest
+from hsx.store.layout_copy import METADATA_DOCUMENTS
+from hsx.store.reader import HiddenStatesReader
+from hsx.store.verify import verify_store
+from hsx.store.zarr_store import ExtractionStore
 
 pytestmark = pytest.mark.timeout(120)
 K, H = 3, 32
@@ -184,7 +184,7 @@ def test_corrupt_commit_record_is_refused_by_resume_and_dropped_by_repair(
     store_url: str, damage: str
 ) -> None:
     from hsx.errors import CorruptRecordError
-    from hsx.verify import repair_store
+    from hsx.store.verify import repair_store
 
     plan, store = committed_store(store_url)
     path = f"{store.root}/commits/chunk-000002.json"
@@ -232,8 +232,8 @@ def test_flipped_sample_index_is_found_and_rewritten_from_the_plan(store_url: st
 def test_a_flipped_metadata_byte_is_found_and_rewritten_from_the_layout_copy(
     store_url: str, document: str
 ) -> None:
-    from hsx.layout_copy import metadata_problems, repair_metadata
-    from hsx.store import fs_and_root
+    from hsx.store.layout_copy import metadata_problems, repair_metadata
+    from hsx.store.zarr_store import fs_and_root
 
     committed_store(store_url)
     fs, root = fs_and_root(store_url)
@@ -301,7 +301,7 @@ def test_commit_record_carries_audit_fields(tmp_path: Path) -> None:
 
 
 def test_a_store_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    from hsx.pipeline import check_free_space
+    from hsx.extraction.steps import check_free_space
 
     plan = make_plan([10])
     plan.total_rows = 10**13  # ~ 3.7 PB of hidden states at K=3, H=32, fp32
@@ -354,7 +354,7 @@ def test_direct_io_store_round_trips_exact_bytes(tmp_path: Path) -> None:
 def test_store_cache_reopens_a_store_recreated_under_the_same_url(tmp_path: Path) -> None:
     import shutil
 
-    from hsx.pipeline import open_for_extraction
+    from hsx.extraction.steps import open_for_extraction
 
     url = str(tmp_path / "store")
     first = ExtractionStore.open_or_create(url, make_plan([10, 10], tag="a"), meta())
@@ -369,7 +369,7 @@ def test_store_cache_reopens_a_store_recreated_under_the_same_url(tmp_path: Path
 
 
 def test_store_cache_keeps_only_the_most_recent_stores(tmp_path: Path) -> None:
-    from hsx import pipeline
+    from hsx.extraction import steps as pipeline
 
     urls = [str(tmp_path / f"s{i}") for i in range(pipeline._OPEN_STORES_KEPT + 2)]
     for url in urls:
@@ -384,10 +384,12 @@ def test_streamed_digests_equal_digests_of_the_stored_rows(
 ) -> None:
     """Rows are hashed block by block as they are copied; the digest must be that of each whole
     stored Zarr chunk, padding included, whatever the block, sample and chunk boundaries."""
-    import hsx.extract
+    import hsx.extraction.chunk_extraction
 
     row_bytes = K * H * 4  # float32 rows
-    monkeypatch.setattr(hsx.extract, "_HASH_BLOCK_BYTES", 5 * row_bytes)  # 5 rows, not 16
+    monkeypatch.setattr(
+        hsx.extraction.chunk_extraction, "_HASH_BLOCK_BYTES", 5 * row_bytes
+    )  # 5 rows, not 16
     plan = make_plan([7, 23, 3, 12], c=16, work=64)
     store = ExtractionStore.open_or_create(store_url, plan, meta())
     chunk = plan.chunks[0]
@@ -410,7 +412,7 @@ def test_whole_zarr_chunks_of_aligned_results_are_written_without_a_copy(
     """A sample covering whole Zarr chunks has them written straight from the engine's result
     when it is page-aligned (the connector's buffers are); otherwise through staging. Both
     store the same bytes under the same digests."""
-    from hsx.local_io import aligned_cpu_tensor
+    from hsx.store.local_io import aligned_cpu_tensor
 
     url = str(tmp_path / "store")
     plan = make_plan([40, 7], c=16, work=48)  # rows [0, 40) hold chunks 0 and 1 whole
@@ -470,7 +472,7 @@ def test_a_store_of_an_older_hsx_gets_its_layout_copy_once_checked(tmp_path: Pat
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from hsx.layout_copy import COPY_NAME
+    from hsx.store.layout_copy import COPY_NAME
 
     runner = CliRunner()
     url = str(tmp_path / "old.zarr")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from hsx.layers import convert_layer_ids, default_layer_ids
+from hsx.model.layers import convert_layer_ids, default_layer_ids
 from hsx.preflight.contract import capture_id_range, check_capture_contract, check_tokenizer
 from hsx.preflight.report import CheckResult, PreflightReport, Status
 from hsx.preflight.resolve import (

@@ -23,7 +23,7 @@ from hsx.engine.server_protocol import (
     prompt_digest,
     shm_folder,
 )
-from hsx.serve import notify_systemd, server_flags
+from hsx.serve.server import notify_systemd, server_flags
 from settings import HsxSettings, ServeSettings
 
 pytestmark = pytest.mark.timeout(120)

@@ -32,7 +32,7 @@ def test_max_length_must_be_below_max_model_len() -> None:
 
 
 def test_lengths_default_to_the_models_own() -> None:
-    # None until the model's config is read (hsx.limits.resolve_lengths fills both).
+    # None until the model's config is read (hsx.model.limits.resolve_lengths fills both).
     unset = HsxSettings(model="m", dataset="d", store="s")
     assert (unset.engine.max_model_len, unset.data.max_length) == (None, None)
     only_length = HsxSettings(model="m", dataset="d", store="s", data={"max_length": 100000})
@@ -60,7 +60,7 @@ def test_pipeline_tunables_reach_the_process_wide_budget() -> None:
     """The write budget and prefetch depth are settings: None scales with the machine's memory
     (never below the 2-core measurement), a number is taken as it is, and every chunk applies
     them to the process-wide budget its writers share."""
-    from hsx import extract
+    from hsx.extraction import chunk_extraction as extract
     from settings import PipelineSettings
 
     auto = extract.write_budget_bytes(PipelineSettings())

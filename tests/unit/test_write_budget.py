@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.extract import WriteBudget
+from hsx.extraction.chunk_extraction import WriteBudget
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,9 +73,9 @@ def test_a_failed_write_raises_and_gives_its_bytes_back(tmp_path: Path) -> None:
     stall every later chunk)."""
     import shutil
 
-    from hsx import extract
-    from hsx.extract import ChunkWriter, chunk_samples
-    from hsx.store import ExtractionStore
+    from hsx.extraction import chunk_extraction as extract
+    from hsx.extraction.chunk_extraction import ChunkWriter, chunk_samples
+    from hsx.store.zarr_store import ExtractionStore
     from tests.unit.test_plan_store import StatesEngine, make_plan, meta
 
     url = str(tmp_path / "store")

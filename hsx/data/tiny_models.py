@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hsx.sample_data import generate_conversations
+from hsx.data.sample_data import generate_conversations
 
 logger = logging.getLogger(__name__)
 

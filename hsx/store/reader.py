@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hsx.errors import StoreError
-from hsx.store import ExtractionStore
+from hsx.store.zarr_store import ExtractionStore
 
 
 @dataclass

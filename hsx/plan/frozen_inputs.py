@@ -1,7 +1,7 @@
 """What a store froze: every input that changes the stored data, checked in seconds on resume.
 
 A resumed run must write exactly what the first run would have. Planning refuses another plan
-(hsx.store), but only after tokenizing the whole dataset, and the flow ran the preflight probe
+(hsx.store.zarr_store), but only after tokenizing the whole dataset, and the flow ran the preflight probe
 (a model build) before planning. This check reads the store's attributes, the model folder's
 identity (config, weight files, revision), the tokenizer and chat template, and a fingerprint of
 the dataset, and names each changed input with both values, before any model is loaded.
@@ -19,9 +19,9 @@ from typing import Any
 
 import xxhash
 
-from hsx.dataset import fingerprint_dataset
+from hsx.data.tokenization import fingerprint_dataset
 from hsx.errors import StoreError
-from hsx.planning import config_hash
+from hsx.plan.building import config_hash
 from settings import HsxSettings
 
 logger = logging.getLogger(__name__)

@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any
 from hsx.engine.options import result_ring_bytes
 from hsx.engine.server_protocol import shm_folder
 from hsx.errors import ConfigError, EngineError
-from hsx.extract import RunContext, engine_queue_limit, extract_chunk
-from hsx.frozen import weights_fingerprint
-from hsx.plan import WorkChunk, text_config
-from hsx.planning import config_hash
-from hsx.preflight.report import CheckResult, Status
-from hsx.store import CommitRecord, ExtractionStore
+from hsx.extraction.chunk_extraction import RunContext, engine_queue_limit, extract_chunk
+from hsx.model.config import text_config
+from hsx.plan.building import config_hash
+from hsx.plan.chunks import WorkChunk
+from hsx.plan.frozen_inputs import weights_fingerprint
+from hsx.store.zarr_store import CommitRecord, ExtractionStore
 from settings import HsxSettings
 
 if TYPE_CHECKING:
     from hsx.engine.server_pool import ServerPool
-    from hsx.pipeline import RunSpec
+    from hsx.extraction.steps import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -96,54 +96,3 @@ def extract_on_a_server(
         raise
     finally:
         pool.release(server)
-
-
-def check_servers(settings: HsxSettings, spec: RunSpec) -> CheckResult:
-    """Preflight against ``engine.url``: every server that answers within
-    ``engine.server_wait_s`` must serve what the run froze, and states of one short prompt must
-    come back through this node's shared memory. FAIL on any mismatch, or when none answers."""
-    pool = server_pool(settings, spec)
-    report = pool.check(settings.engine.server_wait_s)
-    details = tuple(
-        f"{url}: instance {info.get('instance')}, {info.get('model_dir')}, layer ids "
-        f"{info.get('layer_ids')}, {info.get('engine_dtype')}, TP "
-        f"{info.get('tensor_parallel_size')}, vLLM {info.get('vllm_version')}, loaded in "
-        f"{info.get('load_seconds', '?')} s"
-        for url, info in report.ready.items()
-    )
-    details += tuple(f"{url}: {error}" for url, error in report.unreachable.items())
-    if report.mismatched:
-        problems = [
-            f"{url}: {problem}" for url, found in report.mismatched.items() for problem in found
-        ]
-        return CheckResult(
-            "servers",
-            Status.FAIL,
-            f"expected every server to serve what the run froze, found {len(problems)} "
-            f"difference(s): {problems[0]}",
-            tuple(problems[1:]) + details,
-        )
-    if not report.ready:
-        return CheckResult(
-            "servers",
-            Status.FAIL,
-            f"engine.url: expected at least one of {len(settings.engine.url)} servers to "
-            f"answer within {settings.engine.server_wait_s:g} s (engine.server_wait_s), found "
-            "none: start them with `hsx serve MODEL_DIR` (the run's engine and capture settings)",
-            details,
-        )
-    if report.unreachable:
-        return CheckResult(
-            "servers",
-            Status.WARN,
-            f"{len(report.ready)} of {len(settings.engine.url)} servers ready; the others get "
-            "chunks once they answer",
-            details,
-        )
-    return CheckResult(
-        "servers",
-        Status.PASS,
-        f"{len(report.ready)} server(s) serve this run's model, layer ids and dtype; states "
-        "came back through shared memory",
-        details,
-    )

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -19,7 +22,7 @@ from hsx.errors import (
     StoreReadOnlyError,
     is_retryable,
 )
-from hsx.local_io import write_local_atomic
+from hsx.store.local_io import write_local_atomic
 
 
 def _store_of(path: str) -> str:
@@ -114,7 +117,7 @@ def write_atomic(
 
     ``durable`` fsyncs before the rename: for commit records, so a crash never leaves an empty
     record behind. Chunk data is not fsynced (verify re-reads it against the commit's checksums).
-    ``direct``: O_DIRECT on local disks where possible (hsx.local_io). A failure raises the hsx
+    ``direct``: O_DIRECT on local disks where possible (hsx.store.local_io). A failure raises the hsx
     error storage_error() gives (naming ``store``, by default the folder two levels up)."""
     local = isinstance(fs, LocalFileSystem)
     try:
@@ -133,3 +136,24 @@ def write_atomic(
 
 def exists(fs: fsspec.AbstractFileSystem, store: str, path: str) -> bool:
     return bool(store_io(fs, store, path, "check", lambda: fs.exists(path)))
+
+
+def free_bytes_at(store_url: str) -> tuple[Path, int] | None:
+    """(checked folder, free bytes) for a local store URL; None where it cannot be known."""
+    local = _local_path(store_url)
+    return _free_bytes(local) if local is not None else None
+
+
+def _local_path(store_url: str) -> Path | None:
+    parsed = urlparse(store_url)
+    if parsed.scheme in ("", "file") or len(parsed.scheme) == 1:  # len 1: a Windows drive letter
+        return Path(parsed.path if parsed.scheme == "file" else store_url)
+    return None
+
+
+def _free_bytes(path: Path) -> tuple[Path, int]:
+    """Free bytes on the filesystem of ``path`` or of its nearest existing parent."""
+    probe = path.expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe, shutil.disk_usage(probe).free

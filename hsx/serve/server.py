@@ -44,8 +44,8 @@ from hsx.engine.server_protocol import (
 )
 from hsx.engine.vllm_compat import serving_contract_problems
 from hsx.errors import ConfigError, EngineError
-from hsx.frozen import weights_fingerprint
-from hsx.planning import code_version, config_hash, vllm_version
+from hsx.plan.building import code_version, config_hash, vllm_version
+from hsx.plan.frozen_inputs import weights_fingerprint
 from hsx.preflight.report import CheckResult, PreflightReport, Status
 from settings import ServeSettings
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from hsx.dataset import (
+from hsx.data.tokenization import (
     Conversation,
     Overlength,
     fingerprint_dataset,
@@ -21,10 +21,11 @@ from hsx.dataset import (
     tokenize_conversations,
 )
 from hsx.errors import ConfigError
-from hsx.layers import convert_layer_ids, default_layer_ids
-from hsx.limits import resolve_lengths
-from hsx.plan import Plan, auto_rows_per_chunk, auto_work_chunk_tokens, cut_chunks, text_config
-from hsx.token_spool import TokenSpool
+from hsx.model.config import text_config
+from hsx.model.layers import convert_layer_ids, default_layer_ids
+from hsx.model.limits import resolve_lengths
+from hsx.plan.chunks import Plan, auto_rows_per_chunk, auto_work_chunk_tokens, cut_chunks
+from hsx.plan.token_spool import TokenSpool
 from settings import HsxSettings
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ def _build_plan(
     max_length = settings.data.max_length
     max_model_len = settings.engine.max_model_len
     if max_length is None or max_model_len is None:
-        raise ConfigError("planning: expected resolved lengths (hsx.limits.resolve_lengths)")
+        raise ConfigError("planning: expected resolved lengths (hsx.model.limits.resolve_lengths)")
     lengths: list[int] = []
     offsets: list[int] = []
     lines: list[int] = []

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hsx.planning import code_version
-from hsx.storage_io import exists, store_io, write_atomic
-from hsx.store import ExtractionStore, existing_store_meta, fs_and_root
+from hsx.plan.building import code_version
+from hsx.store.storage_io import exists, store_io, write_atomic
+from hsx.store.zarr_store import ExtractionStore, existing_store_meta, fs_and_root
 from settings import HsxSettings
 
 BESIDE_SUFFIX = ".runs"

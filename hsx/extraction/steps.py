@@ -14,35 +14,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.dataset import validate_dataset
 from hsx.engine.options import resolve_dtype
 from hsx.errors import ConfigError, EngineError, StoreError
-from hsx.extract import (
+from hsx.extraction.chunk_extraction import (
     RunContext,
     chunks_in_flight,
     configure_host_pipeline,
     engine_queue_limit,
     extract_chunk,
 )
-from hsx.frozen import check_frozen, frozen_inputs
-from hsx.layout_copy import repair_metadata
-from hsx.limits import resolve_lengths
-from hsx.plan import Plan, read_config
-from hsx.planning import (
+from hsx.model.config import read_config
+from hsx.model.limits import resolve_lengths
+from hsx.plan.building import (
     build_plan,
     load_tokenizer,
     logical_dtype,
     resolve_layer_ids,
     store_metadata,
 )
-from hsx.store import (
+from hsx.plan.chunks import Plan
+from hsx.plan.frozen_inputs import check_frozen, frozen_inputs
+from hsx.store.layout_copy import repair_metadata
+from hsx.store.storage_io import free_bytes_at
+from hsx.store.verify import VerifyReport, repair_store, verify_store
+from hsx.store.zarr_store import (
     CommitRecord,
     ExtractionStore,
     check_store_url,
     existing_store_meta,
     fs_and_root,
 )
-from hsx.verify import VerifyReport, repair_store, verify_store
 from settings import HsxSettings
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class RunSpec:
     layer_ids: tuple[int, ...]
     engine_dtype: str
     stored_dtype: str
-    settings: HsxSettings  # with the model-derived defaults filled in (hsx.limits)
+    settings: HsxSettings  # with the model-derived defaults filled in (hsx.model.limits)
 
 
 def run_spec(settings: HsxSettings) -> RunSpec:
@@ -72,24 +73,6 @@ def resolve_settings(settings: HsxSettings) -> HsxSettings:
     """The settings with every model-derived default filled in (max_model_len, max_length):
     what the run records and every task uses, so all build the same engine."""
     return resolve_lengths(settings, read_config(settings.model))
-
-
-def validate_inputs(settings: HsxSettings) -> int:
-    """Everything about the inputs that can be checked in seconds, before any model load:
-    the model folder, the store URL, every line of the dataset, and on resume the inputs the
-    store froze. Returns the sample count."""
-    spec = run_spec(settings)  # model folder, config.json, layer ids in range
-    # Tokenizer, chat template and weight files: a second, no vLLM import.
-    from hsx.preflight.inputs import check_model_inputs
-
-    check_model_inputs(settings.model, spec.config, settings.engine)
-    check_store_url(settings.store)
-    data = settings.data
-    samples = validate_dataset(
-        settings.dataset, data.max_line_bytes, data.format, data.split, data.columns
-    )
-    check_resume(settings)
-    return samples
 
 
 def check_resume(settings: HsxSettings) -> bool:
@@ -221,8 +204,6 @@ def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
 
 def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
     """Refuse a new local store that cannot fit: terabytes of output must not fail at 90%."""
-    from hsx.preflight.resources import free_bytes_at
-
     free = free_bytes_at(url)
     if free is None or Path(url.removeprefix("file://"), "zarr.json").exists():
         return  # remote (unknown) or resuming an existing store
@@ -283,7 +264,7 @@ def extract_work_chunk(
     settings = spec.settings
     configure_host_pipeline(settings.pipeline)
     if settings.engine.url:  # a long-lived `hsx serve` computes it; written here as always
-        from hsx.served import extract_on_a_server
+        from hsx.extraction.served_chunks import extract_on_a_server
 
         return extract_on_a_server(settings, spec, store, chunk, context)
     from hsx.engine.vllm_engine import drop_engine, get_engine  # imports vLLM: only here
@@ -324,7 +305,7 @@ def verify(store_url: str, repair: bool = False) -> tuple[VerifyReport, dict[int
 
 
 def chunk_concurrency(settings: HsxSettings, tokens: int, chunks: int) -> int:
-    """Work chunks to extract at once for a plan of ``tokens`` in ``chunks`` (hsx.extract)."""
+    """Work chunks to extract at once for a plan of ``tokens`` in ``chunks`` (hsx.extraction.chunk_extraction)."""
     limit = engine_queue_limit(settings.engine.batch_tokens, settings.engine.max_num_batched_tokens)
     # Several servers (engine.url): one engine's queue per server, and chunks to fill them.
     limit *= max(1, len(settings.engine.url))

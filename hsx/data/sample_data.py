@@ -1,7 +1,7 @@
 """A deterministic generator of chat conversations (OpenAI ``messages`` form).
 
 The bundled dataset ``data/sample_conversations.jsonl`` is this generator's output
-(``python -m hsx.sample_data data/sample_conversations.jsonl``): short conversations, quick to
+(``python -m hsx.data.sample_data data/sample_conversations.jsonl``): short conversations, quick to
 extract in tests and the demo; the benchmark uses it to make datasets ten times larger with the
 same shape. ``chat_lengths=True`` makes conversations as long as those of the chat datasets
 EAGLE-3 drafters are trained on (ShareGPT, UltraChat: a few turns with long answers, hundreds to

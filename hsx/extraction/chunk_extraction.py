@@ -27,14 +27,14 @@ import numpy as np
 import torch
 
 from hsx import timings
-from hsx.capture_checks import BadStatesPolicy, CapturedDataError, SampleScan
-from hsx.checksums import ALGORITHM, digest, new_hasher, update_digest
-from hsx.dataset import TokenizedSample
+from hsx.data.tokenization import TokenizedSample
+from hsx.engine.capture_checks import BadStatesPolicy, CapturedDataError, SampleScan
 from hsx.errors import StoreError
 from hsx.interrupt import raise_if_stopped
-from hsx.local_io import DIRECT_ALIGNMENT, aligned_empty
-from hsx.plan import WorkChunk
-from hsx.store import CommitRecord, ExtractionStore
+from hsx.plan.chunks import WorkChunk
+from hsx.store.checksums import ALGORITHM, digest, new_hasher, update_digest
+from hsx.store.local_io import DIRECT_ALIGNMENT, aligned_empty
+from hsx.store.zarr_store import CommitRecord, ExtractionStore
 from settings import PipelineSettings
 
 logger = logging.getLogger(__name__)
@@ -544,7 +544,7 @@ def extract_chunk(
 ) -> CommitRecord:
     """Extract and write ``chunk``, then write its commit record (last). Returns the record.
     ``queue_limit``: tokens the process keeps queued at the engine (engine_queue_limit).
-    ``bad_states``: what a sample whose states fail a check does (hsx.capture_checks)."""
+    ``bad_states``: what a sample whose states fail a check does (hsx.engine.capture_checks)."""
     queue_limit = queue_limit or engine_queue_limit(batch_tokens, None)
     started_at = datetime.now(UTC)
     started = time.perf_counter()

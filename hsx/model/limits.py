@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import ConfigError
-from hsx.plan import text_config
+from hsx.model.config import text_config
 from settings import HsxSettings
 
 # The keys vLLM reads for the model's length, smallest wins (vLLM 0.26-0.32:

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hsx.checksums import ALGORITHM, digest
 from hsx.errors import StoreError
-from hsx.layout_copy import metadata_problems
-from hsx.plan import WorkChunk
-from hsx.store import ROW_ARRAYS, CommitRecord, ExtractionStore
+from hsx.plan.chunks import WorkChunk
+from hsx.store.checksums import ALGORITHM, digest
+from hsx.store.layout_copy import metadata_problems
+from hsx.store.zarr_store import ROW_ARRAYS, CommitRecord, ExtractionStore
 
 
 @dataclass
@@ -36,7 +36,7 @@ class VerifyReport:
     skipped_samples: dict[int, str] = field(default_factory=dict)
     # sample_starts / sample_lengths against their digests from creation (no chunk owns them).
     index_problems: list[str] = field(default_factory=list)
-    # zarr.json documents against the store's copy of them (hsx.layout_copy), and repaired ones.
+    # zarr.json documents against the store's copy of them (hsx.store.layout_copy), and repaired ones.
     metadata_problems: list[str] = field(default_factory=list)
     metadata_repaired: list[str] = field(default_factory=list)
 

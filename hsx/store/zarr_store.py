@@ -27,11 +27,11 @@ import numpy as np
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 
-from hsx.checksums import digest
 from hsx.errors import CorruptRecordError, StoreError
-from hsx.layout_copy import write_layout_copy
-from hsx.plan import Plan, WorkChunk
-from hsx.storage_io import exists, storage_error, store_io, write_atomic
+from hsx.plan.chunks import Plan, WorkChunk
+from hsx.store.checksums import digest
+from hsx.store.layout_copy import write_layout_copy
+from hsx.store.storage_io import exists, storage_error, store_io, write_atomic
 
 SCHEMA_VERSION = 1
 HSX_ATTR = "hsx"
@@ -115,7 +115,7 @@ class ExtractionStore:
         self._meta: dict[str, Any] = dict(cast(dict[str, Any], group.attrs.get(HSX_ATTR, {})))
         self._arrays: dict[str, zarr.Array] = {}
         self._raw_chunks = {name: self._is_raw(name) for name in ROW_ARRAYS if name in group}
-        # Chunk objects on local disks bypass the page cache (hsx.local_io says why).
+        # Chunk objects on local disks bypass the page cache (hsx.store.local_io says why).
         self.direct_io = direct_io
         self._sample_index: tuple[np.ndarray, np.ndarray] | None = None
 

@@ -15,7 +15,7 @@ from typing import Any
 import fsspec
 import xxhash
 
-from hsx.storage_io import exists, store_io, write_atomic
+from hsx.store.storage_io import exists, store_io, write_atomic
 
 COPY_NAME = "hsx-layout.json"
 METADATA_DOCUMENTS = (

@@ -122,7 +122,8 @@ def hsx_runner(
     import numpy as np
 
     from hsx.engine.vllm_engine import get_engine
-    from hsx.extraction.steps import plan_and_create_store, run_spec
+    from hsx.extraction.run import run_spec
+    from hsx.extraction.steps import plan_and_create_store
 
     passes = 0
 
@@ -143,22 +144,23 @@ def hsx_runner(
     return one_pass
 
 
-def extract_every_chunk(settings: Any, summary: Any) -> list[Any]:
-    """Every pending work chunk of a planned store, as the flow runs them (as many at once as
-    fill the engine's queue), without Prefect's task cost. The commit records."""
+def extract_every_chunk(
+    settings: Any, summary: Any, watch: Callable[[Any], None] | None = None
+) -> list[Any]:
+    """Every pending work chunk of a planned store, as the flow runs them (one run object, as
+    many chunks at once as fill the engine's queue), without Prefect's task cost. The commit
+    records. ``watch`` gets the run's host pipeline first (bench_gpu's timeline samples it)."""
     from hsx.extraction.chunk_extraction import RunContext
-    from hsx.extraction.steps import chunk_concurrency, extract_work_chunk
+    from hsx.extraction.run import ExtractionRun
 
-    concurrency = chunk_concurrency(settings, summary.tokens, summary.chunks)
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(
-            pool.map(
-                extract_work_chunk,
-                [settings] * len(summary.pending),
-                summary.pending,
-                [RunContext("bench")] * len(summary.pending),
+    with ExtractionRun.open(settings) as run:
+        if watch is not None:
+            watch(run.host)
+        concurrency = run.concurrency(summary.tokens, summary.chunks)
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(
+                pool.map(lambda index: run.extract(index, RunContext("bench")), summary.pending)
             )
-        )
 
 
 def serve(one_pass: Callable[[], dict[str, float]]) -> None:
@@ -337,7 +339,11 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path, direct: bool) -> 
         f"{whole}/{rows // c} Zarr chunks lie whole inside a sample",
         flush=True,
     )
-    from hsx.extraction.chunk_extraction import CHUNKS_IN_FLIGHT, ChunkWriter
+    from hsx.extraction.chunk_extraction import ChunkWriter
+    from hsx.extraction.host_pipeline import CHUNKS_IN_FLIGHT, HostPipeline
+    from settings import PipelineSettings
+
+    host = HostPipeline(PipelineSettings(), queue_limit=1)  # writes only: no engine queue
 
     def settle() -> None:
         # Page-cache writeback of the previous pass throttles the next one: start each pass with
@@ -377,7 +383,7 @@ def bench_write(total_bytes: int, repeats: int, scratch: Path, direct: bool) -> 
         started, cpu_started = time.perf_counter(), _cpu_seconds()
 
         def write_chunk(chunk: WorkChunk) -> None:
-            writer = ChunkWriter(store, chunk)
+            writer = ChunkWriter(host, store, chunk)
             for index in range(chunk.sample_start, chunk.sample_end):
                 writer.append([samples[index]], [states[: samples[index].num_tokens]])
             writer.finish()

@@ -159,6 +159,7 @@ class Timeline:
 
     def __init__(self, period: float = 0.05) -> None:
         self.period = period
+        self.host: Any = None  # the run's HostPipeline, once extract_every_chunk built it
         self.samples: list[tuple[float, ...]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -174,9 +175,9 @@ class Timeline:
 
     def _run(self) -> None:
         from hsx import timings
-        from hsx.extraction import chunk_extraction as extract
 
         while not self._stop.wait(self.period):
+            host = self.host
             stages = timings.snapshot()
 
             def get(name: str, field: str, stages: dict[str, Any] = stages) -> float:
@@ -189,9 +190,9 @@ class Timeline:
                     get("write", "nbytes"),
                     get("engine_step", "seconds"),
                     get("append", "nbytes"),
-                    float(extract._WRITE_BUDGET.used),
-                    float(extract._IO_POOL._work_queue.qsize()),
-                    float(extract._ENGINE_QUEUE.queued),
+                    float(host.write_budget.used) if host else 0.0,
+                    float(host.io_pool._work_queue.qsize()) if host else 0.0,
+                    float(host.engine_queue.queued) if host else 0.0,
                 )
             )
 
@@ -222,7 +223,8 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
 
     from hsx import timings
     from hsx.engine.vllm_engine import close_all_engines, get_engine
-    from hsx.extraction.steps import plan_and_create_store, run_spec
+    from hsx.extraction.run import run_spec
+    from hsx.extraction.steps import plan_and_create_store
     from hsx.store.verify import READERS, verify_store
     from hsx.store.zarr_store import ExtractionStore
 
@@ -262,7 +264,9 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
             with Timeline() as timeline:
                 summary = plan_and_create_store(settings)
                 plan_s = time.perf_counter() - pass_started
-                records = extract_every_chunk(settings, summary)
+                records = extract_every_chunk(
+                    settings, summary, lambda host: setattr(timeline, "host", host)
+                )
                 seconds = time.perf_counter() - pass_started
             stages = {}
             for k, v in timings.snapshot().items():
@@ -451,10 +455,10 @@ def main() -> None:
     def disk_raw_write() -> float | None:
         if "disk" not in args.stores:
             return None
-        from hsx.extraction.chunk_extraction import _IO_THREADS
+        from hsx.extraction.host_pipeline import DEFAULT_IO_THREADS
 
         total = 4 << 30 if args.tiny else 8 << 30
-        return raw_write(Path(args.disk_dir) / "raw", total, _IO_THREADS)
+        return raw_write(Path(args.disk_dir) / "raw", total, DEFAULT_IO_THREADS)
 
     # Before and after the sides: a virtual disk's speed can change while it is written.
     raw_before = disk_raw_write()

@@ -87,7 +87,8 @@ def extraction_runner(
 ) -> Callable[..., dict[str, float]]:
     """hsx's extraction of every work chunk into a fresh store (planning excluded, engine
     loaded or server connected before the timer starts); ``keep``: the store's URL, kept."""
-    from hsx.extraction.steps import plan_and_create_store, run_spec
+    from hsx.extraction.run import run_spec
+    from hsx.extraction.steps import plan_and_create_store
 
     passes = 0
     scratch = Path(spec["scratch"])
@@ -164,13 +165,13 @@ def plain_runner(spec: dict[str, Any], urls: list[str]) -> Callable[[], dict[str
     import httpx
     from bench_gpu import tokenized
 
+    from hsx.engine.homes import engine_queue_tokens
     from hsx.extraction.chunk_extraction import batches
-    from hsx.extraction.served_chunks import served_queue_limit
 
     settings = bench_settings(spec, "memory://unused", urls)
     samples = tokenized(settings)
     batch_tokens = settings.engine.batch_tokens
-    in_flight = max(1, served_queue_limit(settings) // batch_tokens // len(urls))
+    in_flight = max(1, engine_queue_tokens(settings) // batch_tokens)  # one engine's per server
     name = Path(spec["model"]).name
     groups = [[s.input_ids.tolist() for s in batch] for batch in batches(samples, batch_tokens)]
     tokens = sum(s.num_tokens for s in samples)

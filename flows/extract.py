@@ -34,8 +34,9 @@ from flows.reporting import (
     tag_run,
 )
 from hsx.errors import HsxError
-from hsx.extraction.chunk_extraction import MAX_CHUNKS_IN_FLIGHT
-from hsx.extraction.steps import chunk_concurrency, resolve_settings
+from hsx.extraction.host_pipeline import MAX_CHUNKS_IN_FLIGHT
+from hsx.extraction.run import ExtractionRun
+from hsx.extraction.steps import resolve_settings
 from hsx.interrupt import request_stop, stop_reason, stop_requested
 from hsx.store.run_records import RunAttempt, record_attempt
 from hsx.store.zarr_store import ExtractionStore
@@ -128,7 +129,6 @@ def record_failure(
 
 
 def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[str, Any] | State:
-    logger = get_run_logger()
     started = time.perf_counter()
     stage.name = "resume-check"
     resume_check_task(settings)  # seconds, before the probe builds a model
@@ -137,6 +137,20 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
         preflight_tasks(settings)
     stage.name = "plan"
     plan = plan_task(settings)
+    # The run's spec, engine home and host pipeline: built once here, shared by every chunk.
+    with ExtractionRun.open(settings) as run:
+        return _extract_planned(run, plan, attempt, stage, started)
+
+
+def _extract_planned(
+    run: ExtractionRun,
+    plan: dict[str, Any],
+    attempt: RunAttempt,
+    stage: _Stage,
+    started: float,
+) -> dict[str, Any] | State:
+    settings = run.settings
+    logger = get_run_logger()
     stage.name = "extract"
     record_attempt(settings, attempt, "running", {"pending_chunks": plan["pending"]})
     progress = Progress(len(plan["pending"]), f"{len(plan['pending'])} work chunks to extract")
@@ -157,8 +171,8 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
     done = 0
     loop_started = time.perf_counter()
     # Enough chunk tasks at once that their batches fill the engine's queue while others write
-    # and commit (hsx.extraction.chunk_extraction.chunks_in_flight): the engine never waits for a commit.
-    concurrency = chunk_concurrency(settings, int(plan["tokens"]), int(plan["chunks"]))
+    # and commit (hsx.extraction.host_pipeline.chunks_in_flight): the engine never waits for a commit.
+    concurrency = run.concurrency(int(plan["tokens"]), int(plan["chunks"]))
     logger.info("%d work chunks in flight at once", concurrency)
     try:
         while queue or in_flight:
@@ -169,7 +183,7 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
                 and not stop_requested()  # a stopped run starts nothing more
             ):
                 chunk_index = queue.popleft()
-                in_flight.append((chunk_index, chunk_task.submit(settings, chunk_index)))
+                in_flight.append((chunk_index, chunk_task.submit(run, chunk_index)))
             if not in_flight:
                 break
             chunk_index, future = in_flight[0]
@@ -231,7 +245,7 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
     repaired: list[int] = verification["repaired"]
     if repaired:
         # Corrupt chunks lost their commits: extract them again, then verify everything again.
-        redo = [(index, chunk_task.submit(settings, index)) for index in repaired]
+        redo = [(index, chunk_task.submit(run, index)) for index in repaired]
         for index, future in redo:
             future.wait()
             if future.state.is_failed() or future.state.is_crashed():

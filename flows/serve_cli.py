@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from flows.cli_common import fail, parse_layer_ids, settings_errors
+
 console = Console(stderr=False)
 
 
@@ -60,12 +62,11 @@ def serve(
     """Serve MODEL_DIR for extraction: vLLM's own server, loaded once for many runs."""
     from pydantic import ValidationError
 
-    from flows.cli import _fail, _layer_ids, settings_errors
     from settings import ServeSettings
 
     # Without MODEL_DIR, HSX_MODEL names it (a systemd unit's or compose service's environment).
     if model_dir is None and not os.environ.get("HSX_MODEL"):
-        _fail("hsx serve: expected MODEL_DIR or HSX_MODEL, found neither")
+        fail("hsx serve: expected MODEL_DIR or HSX_MODEL, found neither")
     model = {} if model_dir is None else {"model": model_dir}
     try:
         settings = ServeSettings(
@@ -80,7 +81,7 @@ def serve(
                 }
             ),
             capture=_drop_unset(
-                {"layer_ids": _layer_ids(layer_ids), "layer_convention": layer_convention}
+                {"layer_ids": parse_layer_ids(layer_ids), "layer_convention": layer_convention}
             ),
             server=_drop_unset(
                 {
@@ -93,7 +94,7 @@ def serve(
             ),
         )
     except ValidationError as exc:
-        _fail(f"invalid settings:\n{settings_errors(exc)}")
+        fail(f"invalid settings:\n{settings_errors(exc)}")
         return
     raise typer.Exit(run_server(settings))
 

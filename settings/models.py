@@ -345,9 +345,9 @@ class PipelineSettings(StrictSection):
     chunks_in_flight: int | None = Field(
         None,
         ge=1,
-        le=64,
+        le=32,  # hsx.extraction.host_pipeline.MAX_CHUNKS_IN_FLIGHT: the flow's task threads
         description="Work chunks a process extracts at once. None = enough that their batches "
-        "fill the engine's queue (hsx.extraction.chunk_extraction.chunks_in_flight), 3 to 32: on the H200, 3 chunks "
+        "fill the engine's queue (hsx.extraction.host_pipeline.chunks_in_flight), 3 to 32: on the H200, 3 chunks "
         "of 3.4k tokens each left the engine idle 20-40% of the time with the store on disk.",
     )
     io_threads: int | None = Field(

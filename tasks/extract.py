@@ -9,9 +9,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
 from hsx.extraction.chunk_extraction import RunContext
-from hsx.extraction.steps import extract_work_chunk
+from hsx.extraction.run import ExtractionRun
 from hsx.plan.building import code_version
-from settings import HsxSettings
 from tasks.common import logged_failures, retry_unless_fatal
 
 
@@ -25,7 +24,8 @@ from tasks.common import logged_failures, retry_unless_fatal
     retry_jitter_factor=0.5,
     retry_condition_fn=retry_unless_fatal,
 )
-def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any]:
+def extract_chunk_task(run: ExtractionRun, chunk_index: int) -> dict[str, Any]:
+    """One work chunk of ``run`` (built once by the flow: no config.json read here)."""
     with logged_failures(f"work chunk {chunk_index}") as logger:
         context = RunContext(
             run_id=str(flow_run.get_id() or "no-flow-run"),
@@ -37,7 +37,7 @@ def extract_chunk_task(settings: HsxSettings, chunk_index: int) -> dict[str, Any
                 "flow_run_attempt": int(flow_run.get_run_count() or 1),
             },
         )
-        record = extract_work_chunk(settings, chunk_index, context)
+        record = run.extract(chunk_index, context)
         if record is None:
             return {"chunk_index": chunk_index, "skipped": True, "tokens": 0, "seconds": 0.0}
         server = (record.extra or {}).get("engine_server")

@@ -106,7 +106,7 @@ def model_load_probe_task(settings: HsxSettings) -> dict[str, Any]:
 @task(name="server-check", cache_policy=NO_CACHE, persist_result=False, retries=0)
 def server_check_task(settings: HsxSettings) -> dict[str, Any]:
     with logged_failures("server check") as logger:
-        from hsx.extraction.steps import run_spec
+        from hsx.extraction.run import run_spec
         from hsx.preflight.servers import check_servers
 
         result = check_servers(settings, run_spec(settings))

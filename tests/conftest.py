@@ -99,3 +99,15 @@ def make_settings(model: Path, dataset: Path, store: str, **sections: dict[str, 
         data=data,
         **sections,
     )
+
+
+@pytest.fixture
+def host() -> Iterator[Any]:
+    """A run's host pipeline (engine queue, write budget, staging buffers, pools) of the default
+    settings, as a run builds it; a test that needs other limits builds its own."""
+    from hsx.engine.homes import engine_queue_limit
+    from hsx.extraction.host_pipeline import HostPipeline
+    from settings import PipelineSettings
+
+    with HostPipeline(PipelineSettings(), engine_queue_limit(4096, None)) as pipeline:
+        yield pipeline

@@ -41,17 +41,13 @@ def cpu_has_amx() -> bool:
     return "amx_tile" in cpu_flags()
 
 
-_AMX_REQUESTED: bool | None = None
-
-
+@functools.cache
 def request_amx() -> bool:
     """Ask Linux for AMX tile state for this process, once; True when granted.
 
     Idempotent and cheap; a no-op (False) on CPUs without AMX. Call it before building an
-    engine, in the process that builds it (the permission is per process, for all its threads)."""
-    global _AMX_REQUESTED
-    if _AMX_REQUESTED is not None:
-        return _AMX_REQUESTED
+    engine, in the process that builds it (the permission is per process, for all its threads:
+    the answer cannot change while the process lives, so it is cached)."""
     granted = False
     if cpu_has_amx():
         import torch
@@ -66,7 +62,6 @@ def request_amx() -> bool:
             granted = bool(init())
             if not granted:
                 logger.warning("this CPU has AMX but Linux refused the AMX permission request")
-    _AMX_REQUESTED = granted
     return granted
 
 

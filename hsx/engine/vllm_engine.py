@@ -327,6 +327,19 @@ class VllmHiddenStateEngine:
             logger.debug("engine shutdown raised", exc_info=True)
         del self._llm
 
+    @property
+    def pending_requests(self) -> int:
+        """Prompts submitted whose states have not come back yet."""
+        return self._inbox.qsize() + self._rendezvous.pending()
+
+    def describe(self) -> dict[str, Any]:
+        """Where this engine runs (the same process, or its child engine-core process)."""
+        return {
+            "home": "in-process" if self.settings.in_process else "child process",
+            "model": str(self.model_dir),
+            "pid": os.getpid(),
+        }
+
     def close(self) -> None:
         if self._closed:
             return
@@ -410,6 +423,12 @@ def drop_engine(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int
         dead = _ENGINES.pop(engine_key(model_dir, engine, layer_ids), None)
     if dead is not None:
         dead.close()
+
+
+def loaded_engines() -> list[VllmHiddenStateEngine]:
+    """The engines this process holds (at most one): for health checks and tests."""
+    with _ENGINES_LOCK:
+        return list(_ENGINES.values())
 
 
 def close_all_engines() -> None:

@@ -2,8 +2,8 @@
 Zarr chunks with streaming checksums, then commit.
 
 Writing overlaps the engine: batch i is copied, hashed and handed to the I/O threads while the
-engine computes the next batches. Per chunk at most one batch waits to be appended; per process
-at most ``_WRITE_BUDGET`` bytes of objects wait to be written. Memory is bounded by those, the
+engine computes the next batches. Per chunk at most one batch waits to be appended; per run
+at most the write budget's bytes of objects wait to be written. Memory is bounded by those, the
 queued batches and one staging Zarr chunk per writer, whatever the size of the dataset or the
 work chunk.
 """
@@ -11,17 +11,15 @@ work chunk.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,122 +28,14 @@ from hsx import timings
 from hsx.data.tokenization import TokenizedSample
 from hsx.engine.capture_checks import BadStatesPolicy, CapturedDataError, SampleScan
 from hsx.errors import StoreError
+from hsx.extraction.host_pipeline import HiddenStateEngine, HostPipeline
 from hsx.interrupt import raise_if_stopped
 from hsx.plan.chunks import WorkChunk
 from hsx.store.checksums import ALGORITHM, digest, new_hasher, update_digest
-from hsx.store.local_io import DIRECT_ALIGNMENT, aligned_empty
+from hsx.store.local_io import DIRECT_ALIGNMENT
 from hsx.store.zarr_store import CommitRecord, ExtractionStore
-from settings import PipelineSettings
 
 logger = logging.getLogger(__name__)
-
-
-class HiddenStateEngine(Protocol):
-    """What extraction needs of an engine (vLLM, or the HF reference in tests)."""
-
-    def extract(self, prompts: Sequence[np.ndarray]) -> list[torch.Tensor]: ...
-
-
-# Batches a chunk keeps queued at the engine beyond the one it waits for: the engine never runs
-# dry while results are copied, written and committed (measured: idle 26% of the time without).
-PREFETCH_BATCHES = 2
-# Chunk tasks a process runs at once, without a plan to size them by (tests, benchmarks of a
-# fixed shape); extraction sizes it from the plan with chunks_in_flight().
-CHUNKS_IN_FLIGHT = 3
-MAX_CHUNKS_IN_FLIGHT = 32
-
-
-class EngineQueue:
-    """Prompt tokens queued at the engine and not computed yet, for the whole process.
-
-    Chunks queue a batch while the total stays under a limit, in the order they asked (first
-    come, first queued, so chunks finish in about the order they started). The engine then has
-    its next steps' work whether a work chunk holds one batch or a hundred. Measured on the
-    H200 before: two "feeding" chunks of one 3.4k-token batch each queued less than one engine
-    step of 16k tokens, and the engine sat idle 20-40% of the time while chunks wrote and
-    committed. Tokens queued cost no host memory (states exist once computed); what results
-    hold is bounded per chunk (PREFETCH_BATCHES) and by the write budget."""
-
-    def __init__(self) -> None:
-        self.queued = 0
-        self._waiting: deque[object] = deque()
-        self._changed = threading.Condition()
-
-    def acquire(self, tokens: int, limit: int) -> None:
-        """Wait for this caller's turn and room for ``tokens`` (a batch larger than the limit
-        waits for an empty queue)."""
-        ticket = object()
-        with self._changed:
-            self._waiting.append(ticket)
-            try:
-                while self._waiting[0] is not ticket or (
-                    self.queued and self.queued + tokens > limit
-                ):
-                    self._changed.wait()
-                self.queued += tokens
-            finally:
-                self._waiting.remove(ticket)
-                self._changed.notify_all()
-
-    def release(self, tokens: int) -> None:
-        with self._changed:
-            self.queued -= tokens
-            self._changed.notify_all()
-
-
-_ENGINE_QUEUE = EngineQueue()
-
-
-def engine_queue_limit(batch_tokens: int, max_num_batched_tokens: int | None) -> int:
-    """Tokens the process keeps queued at the engine: what two chunks with PREFETCH_BATCHES each
-    queued before, and at least four engine steps."""
-    return max(2 * (PREFETCH_BATCHES + 1) * batch_tokens, 4 * (max_num_batched_tokens or 16384))
-
-
-def chunks_in_flight(pipeline: PipelineSettings, queue_limit: int, chunk_tokens: float) -> int:
-    """Chunk tasks to run at once: enough chunks that their batches fill the engine's queue,
-    plus one writing and committing, within 3..MAX_CHUNKS_IN_FLIGHT (each holds a staging
-    buffer per array); ``pipeline.chunks_in_flight`` when set."""
-    if pipeline.chunks_in_flight is not None:
-        return pipeline.chunks_in_flight
-    wanted = math.ceil(queue_limit / max(chunk_tokens, 1.0)) + 1
-    return max(CHUNKS_IN_FLIGHT, min(MAX_CHUNKS_IN_FLIGHT, wanted))
-
-
-def _submit(
-    engine: HiddenStateEngine, prompts: list[np.ndarray], queue_limit: int
-) -> list[Future[torch.Tensor]]:
-    """Queue a batch without waiting for its results, where the engine can (else compute it
-    now), once the engine's queue has room; each prompt's tokens leave the queue when its rows
-    are computed."""
-    tokens = [int(prompt.shape[0]) for prompt in prompts]
-    _ENGINE_QUEUE.acquire(sum(tokens), queue_limit)
-    futures: list[Future[torch.Tensor]] = []
-    try:
-        submit = getattr(engine, "submit", None)
-        if submit is not None:
-            futures = cast(list[Future[torch.Tensor]], submit(prompts))
-        else:
-            for rows in engine.extract(prompts):
-                done: Future[torch.Tensor] = Future()
-                done.set_result(rows)
-                futures.append(done)
-    except BaseException:
-        _ENGINE_QUEUE.release(sum(tokens))
-        raise
-    for future, count in zip(futures, tokens, strict=True):
-        future.add_done_callback(_Release(count))
-    return futures
-
-
-@dataclass(frozen=True)
-class _Release:
-    """Gives a prompt's tokens back to the engine queue once its rows are computed."""
-
-    tokens: int
-
-    def __call__(self, _: Future[torch.Tensor]) -> None:
-        _ENGINE_QUEUE.release(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -169,108 +59,9 @@ def to_stored(states: torch.Tensor, logical_dtype: str) -> np.ndarray:
 # (from the plan) and are only read and checksummed by the chunk.
 WRITTEN_ARRAYS = ("hidden_states",)
 READ_ARRAYS = ("input_ids", "loss_mask")
-
-
-_STAGING_POOL: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
-_STAGING_LOCK = threading.Lock()
-
-
-def _staging_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-    """A reused buffer: fresh pages cost a page fault each (measured slower than the write)."""
-    with _STAGING_LOCK:
-        free = _STAGING_POOL.get((shape, dtype.str))
-        if free:
-            return free.pop()
-    buffer = aligned_empty(shape, dtype)  # aligned: objects can be written with O_DIRECT
-    buffer.fill(0)  # touch every page now, not in the engine's time
-    return buffer
-
-
-def _release_staging(buffer: np.ndarray) -> None:
-    with _STAGING_LOCK:
-        free = _STAGING_POOL.setdefault((buffer.shape, buffer.dtype.str), [])
-        if len(free) < _POOL_KEEP:  # beyond that, let it go: memory stays flat
-            free.append(buffer)
-
-
-# Storage objects are written by a few threads at once: per-object costs (open, rename, an
-# object store's request latency) overlap, and writes release the GIL.
-# Measured on 2 cores: 4 I/O threads and 96 MiB in flight. On the H200 machine (16 cores, a disk
-# taking 2.3 GB/s with 4 O_DIRECT writers) 4 threads under 96 MiB were idle half the time and the
-# store wrote 1.1 GB/s: more cores get more writers and a budget of 4 objects per writer.
-_CPUS = os.cpu_count() or 2
-_IO_THREADS = max(4, min(16, _CPUS // 2))
-
-
-class WriteBudget:
-    """Bytes of storage objects submitted but not yet written, for the whole process: bounds
-    the memory of every chunk writer together (one budget per process, not per writer: a lone
-    writer may keep all I/O threads busy, and three writers do not triple the memory)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._changed = threading.Condition()
-
-    def acquire(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` fit (an object larger than the limit waits for an empty budget)."""
-        with self._changed:
-            while self.used and self.used + nbytes > self.limit:
-                self._changed.wait()
-            self.used += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._changed:
-            self.used -= nbytes
-            self._changed.notify_all()
-
-
-# 16 MiB objects: 6 in flight, so that each of the 4 I/O threads finds the next object queued
-# when it finishes one (measured: with exactly 4, threads idled ~6% of the time while the
-# writer filled the next; an idle I/O thread costs store write speed).
-_MIN_WRITE_BUDGET = max(96, 32 * _IO_THREADS) << 20
-_WRITE_BUDGET = WriteBudget(_MIN_WRITE_BUDGET)
-_POOL_KEEP = 8  # free staging buffers kept per shape (raised with the budget)
-
-
-def io_threads(pipeline: PipelineSettings) -> int:
-    return pipeline.io_threads or _IO_THREADS
-
-
-def write_budget_bytes(pipeline: PipelineSettings) -> int:
-    """The process's write budget for these settings (None = scaled by the machine's memory)."""
-    if pipeline.write_budget_mib is not None:
-        return pipeline.write_budget_mib << 20
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    floor = max(96, 32 * io_threads(pipeline)) << 20
-    return max(floor, min(4 << 30, memory // 32))
-
-
-def configure_host_pipeline(pipeline: PipelineSettings) -> None:
-    """Apply the settings to the process-wide write budget and prefetch depth (chunks of one
-    run share them); called at the start of every chunk."""
-    global _POOL_KEEP, PREFETCH_BATCHES, _IO_POOL
-    threads = io_threads(pipeline)
-    if threads != _IO_POOL._max_workers:
-        # A new pool; the old one finishes what was submitted to it and ends.
-        old, _IO_POOL = _IO_POOL, ThreadPoolExecutor(threads, thread_name_prefix="hsx-io")
-        old.shutdown(wait=False)
-    with _WRITE_BUDGET._changed:
-        _WRITE_BUDGET.limit = write_budget_bytes(pipeline)
-        _WRITE_BUDGET._changed.notify_all()
-    # Staging buffers that fill the budget are reused rather than faulted in afresh.
-    _POOL_KEEP = max(8, _WRITE_BUDGET.limit // (16 << 20))
-    PREFETCH_BATCHES = pipeline.prefetch_batches
-
-
 # Rows are copied and hashed in blocks of about this size: a block stays in the L2 cache (2 MiB
 # per core here, 1 MiB or more on current server CPUs) between the copy and the hash.
 _HASH_BLOCK_BYTES = 512 << 10
-_IO_POOL = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="hsx-io")
-# Long-lived threads that copy engine results into staging buffers (one batch per chunk at a
-# time). Not a pool per chunk: every new thread gets glibc heap state of its own, and RSS
-# measured growing with the number of chunks when each chunk made one.
-_APPEND_POOL = ThreadPoolExecutor(max_workers=max(4, _CPUS // 4), thread_name_prefix="hsx-writer")
 
 
 class ChunkWriter:
@@ -284,8 +75,13 @@ class ChunkWriter:
     next fills."""
 
     def __init__(
-        self, store: ExtractionStore, chunk: WorkChunk, bad_states: BadStatesPolicy = "fail"
+        self,
+        host: HostPipeline,
+        store: ExtractionStore,
+        chunk: WorkChunk,
+        bad_states: BadStatesPolicy = "fail",
     ) -> None:
+        self.host = host
         self.store = store
         self.chunk = chunk
         self.bad_states = bad_states
@@ -298,7 +94,7 @@ class ChunkWriter:
         # Digests, one per Zarr chunk, in row order.
         self._digests: dict[str, list[str]] = {name: [] for name in WRITTEN_ARRAYS}
         self._staging = {
-            name: _staging_buffer(
+            name: self.host.staging.take(
                 (self.rows, *store.array(name).shape[1:]), store.array(name).dtype
             )
             for name in WRITTEN_ARRAYS
@@ -407,17 +203,17 @@ class ChunkWriter:
             self._digests[name].append(self._hashers[name].hexdigest())
             self._hashers[name] = new_hasher()
             self._in_flight.append(self._submit_write(name, staging, staged=True))
-            self._staging[name] = _staging_buffer(staging.shape, staging.dtype)
+            self._staging[name] = self.host.staging.take(staging.shape, staging.dtype)
         self._next_row += self.rows
         self._filled = 0
         self._bound_in_flight()
 
     def _submit_write(self, name: str, rows: np.ndarray, staged: bool) -> Future[None]:
-        _WRITE_BUDGET.acquire(rows.nbytes)  # waits while the process has enough in flight
+        self.host.write_budget.acquire(rows.nbytes)  # waits while the run has enough in flight
         try:
-            return _IO_POOL.submit(self._write, name, self._next_row, rows, staged)
+            return self.host.io_pool.submit(self._write, name, self._next_row, rows, staged)
         except BaseException:
-            _WRITE_BUDGET.release(rows.nbytes)
+            self.host.write_budget.release(rows.nbytes)
             raise
 
     def _bound_in_flight(self) -> None:
@@ -435,9 +231,9 @@ class ChunkWriter:
             with timings.timed("write", rows.nbytes):
                 self.store.write_chunk(name, row_start, rows)
         finally:
-            _WRITE_BUDGET.release(rows.nbytes)
+            self.host.write_budget.release(rows.nbytes)
             if staged:
-                _release_staging(rows)
+                self.host.staging.give_back(rows)
 
     def _drain(self) -> None:
         """Wait for every submitted write; the first failure is raised."""
@@ -467,7 +263,7 @@ class ChunkWriter:
         finally:
             self._drain()
         for staging in self._staging.values():
-            _release_staging(staging)
+            self.host.staging.give_back(staging)
         self._staging = {}
         if self._next_row != self.chunk.row_end:
             raise StoreError(
@@ -533,23 +329,22 @@ def _states(
 
 
 def extract_chunk(
+    host: HostPipeline,
     store: ExtractionStore,
     chunk: WorkChunk,
     engine: HiddenStateEngine,
     batch_tokens: int,
     context: RunContext,
     progress: Callable[[int], None] | None = None,
-    queue_limit: int | None = None,
     bad_states: BadStatesPolicy = "fail",
 ) -> CommitRecord:
     """Extract and write ``chunk``, then write its commit record (last). Returns the record.
-    ``queue_limit``: tokens the process keeps queued at the engine (engine_queue_limit).
+    ``host``: the run's queue, write budget and pools (hsx.extraction.host_pipeline).
     ``bad_states``: what a sample whose states fail a check does (hsx.engine.capture_checks)."""
-    queue_limit = queue_limit or engine_queue_limit(batch_tokens, None)
     started_at = datetime.now(UTC)
     started = time.perf_counter()
     samples, read_digests = chunk_samples(store, chunk)
-    writer = ChunkWriter(store, chunk, bad_states)
+    writer = ChunkWriter(host, store, chunk, bad_states)
     pending: Future[None] | None = None
     queued: deque[tuple[list[TokenizedSample], list[Future[torch.Tensor]]]] = deque()
 
@@ -562,7 +357,7 @@ def extract_chunk(
         states = [_states(future, bad_states) for future in futures]
         if pending is not None:
             pending.result()  # keeps rows in order and at most one batch waiting
-        pending = _APPEND_POOL.submit(_timed_append, writer, batch, states)
+        pending = host.append_pool.submit(_timed_append, writer, batch, states)
         if progress is not None:
             progress(sum(sample.num_tokens for sample in batch))
 
@@ -570,8 +365,8 @@ def extract_chunk(
         for batch in batches(samples, batch_tokens):
             raise_if_stopped(chunk.name)  # a stopped run queues nothing more
             prompts = [sample.input_ids for sample in batch]
-            queued.append((batch, _submit(engine, prompts, queue_limit)))
-            if len(queued) > PREFETCH_BATCHES:
+            queued.append((batch, host.submit(engine, prompts)))
+            if len(queued) > host.prefetch_batches:
                 consume()
         while queued:
             raise_if_stopped(chunk.name)

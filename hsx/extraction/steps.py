@@ -9,27 +9,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.engine.options import resolve_dtype
-from hsx.errors import ConfigError, EngineError, StoreError
-from hsx.extraction.chunk_extraction import (
-    RunContext,
-    chunks_in_flight,
-    configure_host_pipeline,
-    engine_queue_limit,
-    extract_chunk,
-)
+from hsx.errors import StoreError
+from hsx.extraction.run import run_spec
 from hsx.model.config import read_config
 from hsx.model.limits import resolve_lengths
 from hsx.plan.building import (
     build_plan,
     load_tokenizer,
-    logical_dtype,
-    resolve_layer_ids,
     store_metadata,
 )
 from hsx.plan.chunks import Plan
@@ -38,7 +28,6 @@ from hsx.store.layout_copy import repair_metadata
 from hsx.store.storage_io import free_bytes_at
 from hsx.store.verify import VerifyReport, repair_store, verify_store
 from hsx.store.zarr_store import (
-    CommitRecord,
     ExtractionStore,
     check_store_url,
     existing_store_meta,
@@ -47,26 +36,6 @@ from hsx.store.zarr_store import (
 from settings import HsxSettings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What is derived from the settings and the model folder, before anything is loaded."""
-
-    config: dict[str, Any]
-    layer_ids: tuple[int, ...]
-    engine_dtype: str
-    stored_dtype: str
-    settings: HsxSettings  # with the model-derived defaults filled in (hsx.model.limits)
-
-
-def run_spec(settings: HsxSettings) -> RunSpec:
-    config = read_config(settings.model)
-    # A length the model cannot take fails here, in seconds.
-    resolved = resolve_lengths(settings, config)
-    layer_ids = resolve_layer_ids(settings, config)
-    engine_dtype = resolve_dtype(settings.engine, config)
-    return RunSpec(config, layer_ids, engine_dtype, logical_dtype(settings, engine_dtype), resolved)
 
 
 def resolve_settings(settings: HsxSettings) -> HsxSettings:
@@ -219,76 +188,6 @@ def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
         )
 
 
-# Stores opened for extraction in this process, by (url, direct_io): opening one through zarr
-# costs ~5 ms of CPU per chunk, paid out of the engine's cores. Checked against the group's
-# metadata object, so a store deleted and re-created under the same URL is opened anew. Chunk
-# threads share one store object: its layout is read-only and each chunk writes its own objects.
-_OPEN_STORES: dict[tuple[str, bool], tuple[tuple[Any, ...], ExtractionStore]] = {}
-_OPEN_STORES_LOCK = threading.Lock()
-_OPEN_STORES_KEPT = 4
-
-
-def open_for_extraction(url: str, direct_io: bool) -> ExtractionStore:
-    key = (url, direct_io)
-    with _OPEN_STORES_LOCK:
-        cached = _OPEN_STORES.get(key)
-    if cached is not None:
-        try:
-            if cached[1].layout_stamp() == cached[0]:
-                return cached[1]
-        except FileNotFoundError:
-            pass  # deleted: open() below says so
-    store = ExtractionStore.open(url, mode="r+", direct_io=direct_io)
-    with _OPEN_STORES_LOCK:
-        _OPEN_STORES.pop(key, None)
-        _OPEN_STORES[key] = (store.layout_stamp(), store)
-        while len(_OPEN_STORES) > _OPEN_STORES_KEPT:  # a long-lived worker runs many stores
-            _OPEN_STORES.pop(next(iter(_OPEN_STORES)))
-    return store
-
-
-def extract_work_chunk(
-    settings: HsxSettings, chunk_index: int, context: RunContext
-) -> CommitRecord | None:
-    """Extract one work chunk unless it is already committed (then returns None)."""
-    store = open_for_extraction(settings.store, settings.layout.direct_io)
-    chunk = next((c for c in store.work_chunks if c.index == chunk_index), None)
-    if chunk is None:
-        raise ConfigError(
-            f"work chunk {chunk_index}: expected 0..{len(store.work_chunks) - 1}, found none in {settings.store}"
-        )
-    if store.read_commit(chunk_index) is not None:
-        logger.info("%s already committed; skipping", chunk.name)
-        return None
-    spec = run_spec(settings)
-    settings = spec.settings
-    configure_host_pipeline(settings.pipeline)
-    if settings.engine.url:  # a long-lived `hsx serve` computes it; written here as always
-        from hsx.extraction.served_chunks import extract_on_a_server
-
-        return extract_on_a_server(settings, spec, store, chunk, context)
-    from hsx.engine.vllm_engine import drop_engine, get_engine  # imports vLLM: only here
-
-    engine = get_engine(settings.model, settings.engine, spec.layer_ids)
-    try:
-        limit = engine_queue_limit(
-            settings.engine.batch_tokens, settings.engine.max_num_batched_tokens
-        )
-        return extract_chunk(
-            store,
-            chunk,
-            engine,
-            settings.engine.batch_tokens,
-            context,
-            queue_limit=limit,
-            bad_states=settings.capture.on_bad_states,
-        )
-    except EngineError:
-        # A dead engine is rebuilt by the retry; a live one is kept for the next chunk.
-        drop_engine(settings.model, settings.engine, spec.layer_ids)
-        raise
-
-
 def verify(store_url: str, repair: bool = False) -> tuple[VerifyReport, dict[int, list[str]]]:
     """Verify the store; with ``repair``, drop the commit records of corrupt chunks (the caller
     re-extracts them). Returns the report and the dropped chunks."""
@@ -302,11 +201,3 @@ def verify(store_url: str, repair: bool = False) -> tuple[VerifyReport, dict[int
     report = verify_store(store)
     report.metadata_repaired = repaired
     return report, (repair_store(store, report) if repair else {})
-
-
-def chunk_concurrency(settings: HsxSettings, tokens: int, chunks: int) -> int:
-    """Work chunks to extract at once for a plan of ``tokens`` in ``chunks`` (hsx.extraction.chunk_extraction)."""
-    limit = engine_queue_limit(settings.engine.batch_tokens, settings.engine.max_num_batched_tokens)
-    # Several servers (engine.url): one engine's queue per server, and chunks to fill them.
-    limit *= max(1, len(settings.engine.url))
-    return chunks_in_flight(settings.pipeline, limit, tokens / max(chunks, 1))

@@ -196,7 +196,8 @@ def run_probe(
     from hsx.data.tokenization import TokenizedSample  # noqa: F401  (import check: the path loads)
     from hsx.engine.vllm_engine import drop_engine
     from hsx.extraction.chunk_extraction import RunContext
-    from hsx.extraction.steps import extract_work_chunk, plan_and_create_store
+    from hsx.extraction.run import ExtractionRun
+    from hsx.extraction.steps import plan_and_create_store
     from hsx.preflight.hf_reference import hf_hidden_states
     from hsx.store.reader import HiddenStatesReader
 
@@ -245,8 +246,9 @@ def run_probe(
         )
         summary = plan_and_create_store(settings)
         try:
-            for index in summary.pending:
-                extract_work_chunk(settings, index, RunContext("preflight-probe"))
+            with ExtractionRun.open(settings) as run:
+                for index in summary.pending:
+                    run.extract(index, RunContext("preflight-probe"))
         finally:
             drop_engine(model_dir, probe_engine, mapped)  # never kept beside the real one
         reader = HiddenStatesReader(url)

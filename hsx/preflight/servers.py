@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from hsx.extraction.served_chunks import server_pool
-from hsx.extraction.steps import RunSpec
+from hsx.engine.homes import make_engine_home
+from hsx.engine.server_pool import ServerPool
+from hsx.errors import ConfigError
+from hsx.extraction.run import RunSpec
 from hsx.preflight.report import CheckResult, Status
 from settings import HsxSettings
+
+
+def server_pool(settings: HsxSettings, spec: RunSpec) -> ServerPool:
+    """This process's pool of ``engine.url``'s servers for the run's identity."""
+    home = make_engine_home(settings, spec.config, spec.layer_ids, spec.engine_dtype)
+    pool = getattr(home, "pool", None)
+    if not isinstance(pool, ServerPool):
+        raise ConfigError(f"engine.url: expected server URLs to check, found {home.kind} engine")
+    return pool
 
 
 def check_servers(settings: HsxSettings, spec: RunSpec) -> CheckResult:

@@ -11,7 +11,8 @@ import pytest
 
 from hsx.engine.capture_checks import CapturedDataError
 from hsx.extraction.chunk_extraction import RunContext
-from hsx.extraction.steps import extract_work_chunk, plan_and_create_store
+from hsx.extraction.run import extract_work_chunk
+from hsx.extraction.steps import plan_and_create_store
 from hsx.store.reader import HiddenStatesReader
 from hsx.store.verify import verify_store
 from hsx.store.zarr_store import ExtractionStore

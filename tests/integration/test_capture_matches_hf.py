@@ -15,7 +15,8 @@ import torch
 from hsx.data.tokenization import iter_conversations, tokenize_conversation
 from hsx.engine.vllm_engine import engine_is_loaded, get_engine
 from hsx.extraction.chunk_extraction import RunContext
-from hsx.extraction.steps import extract_work_chunk, plan_and_create_store, run_spec
+from hsx.extraction.run import extract_work_chunk, run_spec
+from hsx.extraction.steps import plan_and_create_store
 from hsx.plan.building import load_tokenizer
 from hsx.preflight.hf_reference import hf_hidden_states, load_hf_model
 from hsx.store.reader import HiddenStatesReader

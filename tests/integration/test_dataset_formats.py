@@ -193,7 +193,7 @@ def test_a_parquet_dataset_extracts_the_same_states_as_its_jsonl(
     import pyarrow.parquet as pq
 
     from hsx.extraction.chunk_extraction import RunContext
-    from hsx.extraction.steps import extract_work_chunk
+    from hsx.extraction.run import extract_work_chunk
     from hsx.store.reader import HiddenStatesReader
 
     rows = _rows(sample_dataset)[:12]

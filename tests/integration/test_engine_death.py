@@ -16,7 +16,6 @@ from typing import Any
 import psutil
 import pytest
 
-from hsx.extraction import chunk_extraction as extract
 from hsx.store.zarr_store import ExtractionStore
 from tests.conftest import make_settings
 from tests.integration.test_flow import flow_logs
@@ -78,13 +77,18 @@ def test_sigkill_of_the_engine_core_mid_chunk_is_retried_and_completes(
             # Mid-chunk: a later chunk's prompts are queued at the engine. (Killed between
             # chunks, the next chunk finds the engine dead and rebuilds it before any work:
             # nothing fails, nothing to retry, and this test would see no retried chunk.)
-            if done and cores and extract._ENGINE_QUEUE.queued > 0:
+            if done and cores and _requests_in_flight():
                 killed["after"] = len(done)
                 killed["pids"] = [core.pid for core in cores]
                 for core in cores:
                     os.kill(core.pid, signal.SIGKILL)
                 return
             time.sleep(0.02)
+
+    def _requests_in_flight() -> bool:
+        from hsx.engine.vllm_engine import loaded_engines
+
+        return any(engine.pending_requests > 0 for engine in loaded_engines())
 
     killer = threading.Thread(target=kill_after_first_commit, daemon=True)
     killer.start()

@@ -1,6 +1,6 @@
 """A prompt the real engine refuses (longer than its max_model_len) fails its work chunk alone,
 with a fatal RequestRefusedError naming the request and vLLM's own reason; the engine stays up,
-the process-wide engine queue gives the chunk's tokens back, and the next chunk commits through
+the run's engine queue gives the chunk's tokens back, and the next chunk commits through
 the same engine. (Settings refuse such a plan before any load; a plan written by another hsx, or
 a model whose limit shrank, is what this guards.)"""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hsx.errors import RequestRefusedError
-from hsx.extraction import chunk_extraction as extract
-from hsx.extraction.chunk_extraction import RunContext, engine_queue_limit, extract_chunk
+from hsx.extraction.chunk_extraction import RunContext, extract_chunk
+from hsx.extraction.host_pipeline import HostPipeline
 from hsx.plan.chunks import Plan, cut_chunks
 from hsx.plan.token_spool import TokenSpool
 from hsx.store.verify import verify_store
@@ -40,10 +40,10 @@ def _plan() -> Plan:
 
 
 def test_a_prompt_the_engine_refuses_fails_its_chunk_alone(
-    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+    host: HostPipeline, tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:
     from hsx.engine.vllm_engine import get_engine
-    from hsx.extraction.steps import run_spec
+    from hsx.extraction.run import run_spec
 
     settings = make_settings(tiny_llama, sample_dataset, str(tmp_path / "unused.zarr"))
     spec = run_spec(settings)
@@ -57,26 +57,23 @@ def test_a_prompt_the_engine_refuses_fails_its_chunk_alone(
     }
     store = ExtractionStore.open_or_create(str(tmp_path / "refusal.zarr"), plan, meta)
     refused_chunk = next(c for c in plan.chunks if c.sample_start <= 2 < c.sample_end)
-    limit = engine_queue_limit(
-        spec.settings.engine.batch_tokens, spec.settings.engine.max_num_batched_tokens
-    )
     with pytest.raises(RequestRefusedError) as refused:
-        extract_chunk(store, refused_chunk, engine, 4096, RunContext("r"), queue_limit=limit)
+        extract_chunk(host, store, refused_chunk, engine, 4096, RunContext("r"))
     message = str(refused.value)
     assert "of 3000 tokens: expected vLLM to accept it, found" in message, message
     assert "2048" in message, message  # vLLM's reason names the limit
     assert not refused.value.retryable
-    assert extract._ENGINE_QUEUE.queued == 0  # the chunk's tokens were given back
+    assert host.engine_queue.queued == 0  # the chunk's tokens were given back
     assert store.committed_chunks() == {}
 
     # The same engine object serves the other chunks: nothing was rebuilt.
     for chunk in plan.chunks:
         if chunk.index != refused_chunk.index:
-            extract_chunk(store, chunk, engine, 4096, RunContext("r"), queue_limit=limit)
+            extract_chunk(host, store, chunk, engine, 4096, RunContext("r"))
     again = get_engine(spec.settings.model, spec.settings.engine, spec.layer_ids)
     assert again is engine
     committed = sorted(store.committed_chunks())
     assert committed == [c.index for c in plan.chunks if c.index != refused_chunk.index]
     report = verify_store(store)
     assert report.missing == [refused_chunk.index] and report.chunks_verified == len(committed)
-    assert extract._ENGINE_QUEUE.queued == 0
+    assert host.engine_queue.queued == 0

@@ -20,7 +20,8 @@ import torch
 from hsx.engine.options import AMX_MLA, CPU_MLA, cpu_has_amx_tiles
 from hsx.engine.platform import exit_description
 from hsx.extraction.chunk_extraction import RunContext
-from hsx.extraction.steps import extract_work_chunk, plan_and_create_store
+from hsx.extraction.run import extract_work_chunk
+from hsx.extraction.steps import plan_and_create_store
 from hsx.model.config import read_config
 from hsx.model.limits import model_max_len
 from hsx.preflight.hf_reference import hf_hidden_states, load_hf_model
@@ -128,7 +129,8 @@ def test_engine_in_a_fresh_process(tiny_llama: Path, tmp_path: Path) -> None:
         f"""
         from pathlib import Path
         from hsx.extraction.chunk_extraction import RunContext
-        from hsx.extraction.steps import extract_work_chunk, plan_and_create_store
+        from hsx.extraction.steps import plan_and_create_store
+        from hsx.extraction.run import extract_work_chunk
         from settings import HsxSettings
         settings = HsxSettings(
             model=Path({str(tiny_llama)!r}), dataset=Path({str(SAMPLE_DATASET)!r}),

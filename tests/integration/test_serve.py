@@ -265,11 +265,12 @@ def test_a_slow_server_never_holds_up_chunks_of_the_others(
 ) -> None:
     """The pool connects in threads of its own, never under its lock: while a connect to a
     slow server is in flight, chunks acquire the live server and release it at once."""
+    from hsx.engine.homes import server_expectation
     from hsx.engine.options import result_ring_bytes
     from hsx.engine.server_pool import ServerPool
     from hsx.engine.server_protocol import shm_folder
-    from hsx.extraction.served_chunks import server_expectation
-    from hsx.extraction.steps import resolve_settings, run_spec
+    from hsx.extraction.run import run_spec
+    from hsx.extraction.steps import resolve_settings
 
     slow = ThreadingHTTPServer(("127.0.0.1", 0), _SlowServer)
     threading.Thread(target=slow.serve_forever, daemon=True).start()
@@ -282,7 +283,7 @@ def test_a_slow_server_never_holds_up_chunks_of_the_others(
     spec = run_spec(settings)
     pool = ServerPool(
         [slow_url, llama_server.url],
-        server_expectation(settings, spec),
+        server_expectation(settings, spec.config, spec.layer_ids, spec.engine_dtype),
         256,
         result_ring_bytes(settings.engine, shm_folder()),
         30.0,
@@ -511,8 +512,9 @@ def test_two_servers_feed_one_run_and_take_over_when_one_dies(
 _KILLED_CLIENT = """
 import sys, numpy as np
 from pathlib import Path
-from hsx.extraction.steps import resolve_settings, run_spec
-from hsx.extraction.served_chunks import server_pool
+from hsx.extraction.steps import resolve_settings
+from hsx.extraction.run import run_spec
+from hsx.preflight.servers import server_pool
 from tests.conftest import make_settings
 settings = resolve_settings(make_settings(
     Path(sys.argv[1]), Path(sys.argv[2]), "memory://killed",
@@ -538,8 +540,9 @@ def test_a_client_killed_mid_batch_leaves_the_server_serving_the_others(
 
     import numpy as np
 
-    from hsx.extraction.served_chunks import server_pool
-    from hsx.extraction.steps import resolve_settings, run_spec
+    from hsx.extraction.run import run_spec
+    from hsx.extraction.steps import resolve_settings
+    from hsx.preflight.servers import server_pool
     from tests.conftest import REPO_ROOT
 
     llama_server.ensure_up()
@@ -597,8 +600,7 @@ def test_a_closed_client_fails_its_unanswered_batches_at_once(
     from hsx.engine.server_client import ServerEngine
     from hsx.engine.server_protocol import shm_folder
     from hsx.errors import EngineError
-    from hsx.extraction.served_chunks import server_expectation
-    from hsx.extraction.steps import resolve_settings, run_spec
+    from hsx.extraction.steps import resolve_settings
 
     llama_server.ensure_up()
     settings = resolve_settings(
@@ -608,7 +610,7 @@ def test_a_closed_client_fails_its_unanswered_batches_at_once(
     )
     client = ServerEngine(
         llama_server.url,
-        server_expectation(settings, run_spec(settings)),
+        _expectation(settings),
         256,
         result_ring_bytes(settings.engine, shm_folder()),
         30.0,
@@ -638,3 +640,12 @@ def test_serve_stops_cleanly_on_sigterm_and_says_so(llama_server: ServeProcess) 
     alive = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"processes of the server left running: {alive}"
     assert not any(Path(llama_server.state_dir).glob("server-*.json"))
+
+
+def _expectation(settings: Any) -> dict[str, Any]:
+    """What the run of ``settings`` expects a server to serve (as the engine home asks)."""
+    from hsx.engine.homes import server_expectation
+    from hsx.extraction.run import run_spec
+
+    spec = run_spec(settings)
+    return server_expectation(settings, spec.config, spec.layer_ids, spec.engine_dtype)

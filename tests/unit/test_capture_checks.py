@@ -15,6 +15,7 @@ import torch
 
 from hsx.engine.capture_checks import CapturedDataError, SampleScan, check_token_ids
 from hsx.extraction.chunk_extraction import RunContext, extract_chunk
+from hsx.extraction.host_pipeline import HostPipeline
 from hsx.store.reader import HiddenStatesReader
 from hsx.store.verify import verify_store
 from hsx.store.zarr_store import ExtractionStore
@@ -70,23 +71,26 @@ def _store(tmp_path: Path, dtype: str = "float32") -> tuple[ExtractionStore, obj
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fault", sorted(REASONS))
 def test_a_bad_sample_fails_its_chunk_naming_sample_and_reason(
-    tmp_path: Path, fault: str, dtype: str
+    host: HostPipeline, tmp_path: Path, fault: str, dtype: str
 ) -> None:
     store, plan = _store(tmp_path, dtype)
     chunk = plan.chunks[0]
     assert chunk.sample_start <= VICTIM < chunk.sample_end
     with pytest.raises(CapturedDataError, match=REASONS[fault]) as failed:
-        extract_chunk(store, chunk, FaultyEngine(100 * VICTIM, fault), 60, RunContext("r"))
+        extract_chunk(host, store, chunk, FaultyEngine(100 * VICTIM, fault), 60, RunContext("r"))
     assert failed.value.sample == VICTIM and f"sample {VICTIM}:" in str(failed.value)
     assert failed.value.retryable  # a device fault or a leak may not repeat
     assert store.read_commit(chunk.index) is None  # nothing committed
 
 
 @pytest.mark.parametrize("fault", sorted(REASONS))
-def test_skip_records_the_sample_and_readers_leave_it_out(tmp_path: Path, fault: str) -> None:
+def test_skip_records_the_sample_and_readers_leave_it_out(
+    host: HostPipeline, tmp_path: Path, fault: str
+) -> None:
     store, plan = _store(tmp_path)
     for chunk in plan.chunks:
         extract_chunk(
+            host,
             store,
             chunk,
             FaultyEngine(100 * VICTIM, fault),
@@ -109,11 +113,11 @@ def test_skip_records_the_sample_and_readers_leave_it_out(tmp_path: Path, fault:
     assert "1 samples skipped" in report.summary()
 
 
-def test_off_checks_nothing(tmp_path: Path) -> None:
+def test_off_checks_nothing(host: HostPipeline, tmp_path: Path) -> None:
     store, plan = _store(tmp_path)
     chunk = plan.chunks[0]
     record = extract_chunk(
-        store, chunk, FaultyEngine(100 * VICTIM, "nan"), 60, RunContext("r"), bad_states="off"
+        host, store, chunk, FaultyEngine(100 * VICTIM, "nan"), 60, RunContext("r"), bad_states="off"
     )
     assert record.skipped_samples == []
     assert torch.isnan(HiddenStatesReader(store.url).sample(VICTIM).hidden_states).any()

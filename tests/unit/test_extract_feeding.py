@@ -1,9 +1,9 @@
-"""How work chunks queue batches at the engine: the process-wide engine queue keeps the engine
+"""How work chunks queue batches at the engine: the run's engine queue keeps the engine
 fed whether a chunk holds one batch or many and never queues more than its limit. (A chunk the
 real engine refuses gives its tokens back: tests/integration/test_engine_refusal.py.)
 
 The engine here is a stand-in that computes queued prompts on its own thread, a few tokens per
-"step": what is under test is how chunks queue work (hsx.extraction.chunk_extraction), not the engine."""
+"step": what is under test is how chunks queue work (hsx.extraction.host_pipeline), not the engine."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from hsx.extraction import chunk_extraction as extract
-from hsx.extraction.chunk_extraction import (
+from hsx.engine.homes import engine_queue_limit
+from hsx.extraction.chunk_extraction import RunContext, extract_chunk
+from hsx.extraction.host_pipeline import (
     CHUNKS_IN_FLIGHT,
     MAX_CHUNKS_IN_FLIGHT,
-    RunContext,
+    HostPipeline,
     chunks_in_flight,
-    engine_queue_limit,
-    extract_chunk,
 )
 from hsx.store.zarr_store import ExtractionStore
 from settings import PipelineSettings
@@ -92,39 +91,41 @@ def test_small_chunks_fill_the_engine_queue_up_to_its_limit(tmp_path: Path) -> N
     concurrency = chunks_in_flight(PipelineSettings(), limit, plan.total_tokens / len(plan.chunks))
     assert concurrency == 7  # 6 chunks fill the queue, one more writes and commits
     engine = QueueingEngine(step_tokens=32)
+    host = HostPipeline(PipelineSettings(), queue_limit=limit)
     try:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             records = list(
                 pool.map(
-                    lambda chunk: extract_chunk(
-                        store, chunk, engine, 16, RunContext("r"), queue_limit=limit
-                    ),
+                    lambda chunk: extract_chunk(host, store, chunk, engine, 16, RunContext("r")),
                     plan.chunks,
                 )
             )
     finally:
         engine.close()
+        host.close()
     assert len(records) == len(plan.chunks) == 24
     assert sorted(store.committed_chunks()) == list(range(24))
     # More than two chunks' batches waited at once (two was the old fixed number of feeders)...
     assert engine.most_outstanding > 2 * 16, engine.most_outstanding
     # ...and never more than the limit.
     assert engine.most_outstanding <= limit, engine.most_outstanding
-    assert extract._ENGINE_QUEUE.queued == 0
+    assert host.engine_queue.queued == 0
 
 
 def test_a_batch_larger_than_the_limit_waits_for_an_empty_queue(tmp_path: Path) -> None:
     plan = make_plan([8] * 12, c=16, work=48)
     store = ExtractionStore.open_or_create(str(tmp_path / "s"), plan, meta())
     engine = QueueingEngine(step_tokens=8)
+    host = HostPipeline(PipelineSettings(), queue_limit=16)
     try:
         for chunk in plan.chunks:
-            extract_chunk(store, chunk, engine, 48, RunContext("r"), queue_limit=16)
+            extract_chunk(host, store, chunk, engine, 48, RunContext("r"))
     finally:
         engine.close()
+        host.close()
     assert engine.most_outstanding == 48  # one whole batch, alone
     assert sorted(store.committed_chunks()) == [0, 1]
-    assert extract._ENGINE_QUEUE.queued == 0
+    assert host.engine_queue.queued == 0
 
 
 def test_chunks_in_flight_from_the_plan_and_the_setting() -> None:

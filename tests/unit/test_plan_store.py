@@ -12,6 +12,7 @@ import torch
 
 from hsx.errors import StoreError
 from hsx.extraction.chunk_extraction import ChunkWriter, RunContext, chunk_samples, extract_chunk
+from hsx.extraction.host_pipeline import HostPipeline
 from hsx.plan.chunks import Plan, auto_work_chunk_tokens, cut_chunks
 from hsx.plan.token_spool import TokenSpool
 from hsx.store.checksums import digest
@@ -94,12 +95,12 @@ def test_auto_work_chunk_tokens_targets_hundreds_of_tasks() -> None:
     assert auto_work_chunk_tokens(20_000, 256, 256, 4096) == 4096
 
 
-def test_write_commit_verify_read_roundtrip(store_url: str) -> None:
+def test_write_commit_verify_read_roundtrip(host: HostPipeline, store_url: str) -> None:
     plan = make_plan([5, 30, 17, 64, 100, 3, 3])
     store = ExtractionStore.open_or_create(store_url, plan, meta())
     engine = StatesEngine()
     for chunk in plan.chunks:
-        extract_chunk(store, chunk, engine, 40, RunContext("run-1"))
+        extract_chunk(host, store, chunk, engine, 40, RunContext("run-1"))
     report = verify_store(ExtractionStore.open(store_url))
     assert report.ok, report.summary()
     reader = HiddenStatesReader(store_url)
@@ -119,13 +120,13 @@ def test_write_commit_verify_read_roundtrip(store_url: str) -> None:
     )
 
 
-def test_bfloat16_is_stored_as_uint16_bit_exact(store_url: str) -> None:
+def test_bfloat16_is_stored_as_uint16_bit_exact(host: HostPipeline, store_url: str) -> None:
     plan = make_plan([20, 9])
     store = ExtractionStore.open_or_create(store_url, plan, meta("bfloat16"))
     assert store.array("hidden_states").dtype == np.uint16
     assert store.array("hidden_states").attrs["logical_dtype"] == "bfloat16"
     engine = StatesEngine()
-    extract_chunk(store, plan.chunks[0], engine, 100, RunContext("r"))
+    extract_chunk(host, store, plan.chunks[0], engine, 100, RunContext("r"))
     sample = HiddenStatesReader(store_url).sample(1)
     expected = engine.extract([sample.input_ids.numpy()])[0].to(torch.bfloat16)
     assert sample.hidden_states.dtype == torch.bfloat16 and torch.equal(
@@ -133,14 +134,14 @@ def test_bfloat16_is_stored_as_uint16_bit_exact(store_url: str) -> None:
     )
 
 
-def test_uncommitted_chunk_is_invisible_and_reported(store_url: str) -> None:
+def test_uncommitted_chunk_is_invisible_and_reported(host: HostPipeline, store_url: str) -> None:
     plan = make_plan([30, 30, 30, 30], work=32)
     store = ExtractionStore.open_or_create(store_url, plan, meta())
-    writer = ChunkWriter(store, plan.chunks[1])
+    writer = ChunkWriter(host, store, plan.chunks[1])
     s, _ = chunk_samples(store, plan.chunks[1])
     writer.append(s, StatesEngine().extract([x.input_ids for x in s]))
     writer.finish()  # rows written, but no commit record: the chunk does not exist
-    extract_chunk(store, plan.chunks[0], StatesEngine(), 100, RunContext("r"))
+    extract_chunk(host, store, plan.chunks[0], StatesEngine(), 100, RunContext("r"))
     reader = HiddenStatesReader(store_url)
     assert list(reader.available_samples) == [0]
     with pytest.raises(StoreError, match="not committed"):
@@ -150,27 +151,27 @@ def test_uncommitted_chunk_is_invisible_and_reported(store_url: str) -> None:
     assert [c.index for c in store.pending_chunks()] == [1, 2, 3]
 
 
-def committed_store(url: str) -> tuple[Plan, ExtractionStore]:
+def committed_store(host: HostPipeline, url: str) -> tuple[Plan, ExtractionStore]:
     """Four samples in four work chunks, every chunk extracted and committed."""
     plan = make_plan([30, 30, 30, 30], work=32)
     store = ExtractionStore.open_or_create(url, plan, meta())
     for chunk in plan.chunks:
-        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+        extract_chunk(host, store, chunk, StatesEngine(), 100, RunContext("r"))
     return plan, store
 
 
-def extracted_store(tmp_path: Path) -> tuple[str, list[Path]]:
+def extracted_store(host: HostPipeline, tmp_path: Path) -> tuple[str, list[Path]]:
     """A local store with every chunk extracted; its URL and hidden-state objects in order."""
     url = str(tmp_path / "store")
     plan = make_plan([40, 40], work=48)
     store = ExtractionStore.open_or_create(url, plan, meta())
     for chunk in plan.chunks:
-        extract_chunk(store, chunk, StatesEngine(), 100, RunContext("r"))
+        extract_chunk(host, store, chunk, StatesEngine(), 100, RunContext("r"))
     return url, sorted((tmp_path / "store" / "hidden_states").glob("c.*"))
 
 
-def test_flipped_byte_is_detected(tmp_path: Path) -> None:
-    url, files = extracted_store(tmp_path)
+def test_flipped_byte_is_detected(host: HostPipeline, tmp_path: Path) -> None:
+    url, files = extracted_store(host, tmp_path)
     data = bytearray(files[-1].read_bytes())
     data[len(data) // 2] ^= 0x01
     files[-1].write_bytes(bytes(data))
@@ -181,12 +182,12 @@ def test_flipped_byte_is_detected(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["truncated", "not json", "other chunk"])
 def test_corrupt_commit_record_is_refused_by_resume_and_dropped_by_repair(
-    store_url: str, damage: str
+    host: HostPipeline, store_url: str, damage: str
 ) -> None:
     from hsx.errors import CorruptRecordError
     from hsx.store.verify import repair_store
 
-    plan, store = committed_store(store_url)
+    plan, store = committed_store(host, store_url)
     path = f"{store.root}/commits/chunk-000002.json"
     raw = store.fs.cat_file(path)
     broken = {
@@ -205,12 +206,14 @@ def test_corrupt_commit_record_is_refused_by_resume_and_dropped_by_repair(
     assert report.chunks_verified == 3 and report.missing == []
     assert repair_store(store, report) == {2: [report.problems[0].message]}
     assert [c.index for c in store.pending_chunks()] == [2]
-    extract_chunk(store, plan.chunks[2], StatesEngine(), 100, RunContext("r2"))
+    extract_chunk(host, store, plan.chunks[2], StatesEngine(), 100, RunContext("r2"))
     assert verify_store(store).ok
 
 
-def test_flipped_sample_index_is_found_and_rewritten_from_the_plan(store_url: str) -> None:
-    plan, store = committed_store(store_url)
+def test_flipped_sample_index_is_found_and_rewritten_from_the_plan(
+    host: HostPipeline, store_url: str
+) -> None:
+    plan, store = committed_store(host, store_url)
     assert store.sample_index_problems() == []
     path = f"{store.root}/sample_lengths/c.0"
     data = bytearray(store.fs.cat_file(path))
@@ -230,12 +233,12 @@ def test_flipped_sample_index_is_found_and_rewritten_from_the_plan(store_url: st
 
 @pytest.mark.parametrize("document", METADATA_DOCUMENTS)
 def test_a_flipped_metadata_byte_is_found_and_rewritten_from_the_layout_copy(
-    store_url: str, document: str
+    host: HostPipeline, store_url: str, document: str
 ) -> None:
     from hsx.store.layout_copy import metadata_problems, repair_metadata
     from hsx.store.zarr_store import fs_and_root
 
-    committed_store(store_url)
+    committed_store(host, store_url)
     fs, root = fs_and_root(store_url)
     assert metadata_problems(fs, root, store_url) == []
     original = fs.cat_file(f"{root}/{document}")
@@ -268,22 +271,23 @@ def test_unknown_scheme_names_the_url() -> None:
         ExtractionStore.open_or_create("nosuch://x/y", make_plan([4]), meta())
 
 
-def test_planned_token_count_mismatch_is_fatal(store_url: str) -> None:
+def test_planned_token_count_mismatch_is_fatal(host: HostPipeline, store_url: str) -> None:
     plan = make_plan([10, 10])
     store = ExtractionStore.open_or_create(store_url, plan, meta())
     samples, _ = chunk_samples(store, plan.chunks[0])
-    writer = ChunkWriter(store, plan.chunks[0])
+    writer = ChunkWriter(host, store, plan.chunks[0])
     writer.append(samples[:1], StatesEngine().extract([samples[0].input_ids]))
     with pytest.raises(StoreError, match="expected 20 tokens as planned, found 10"):
         writer.finish()
     assert store.committed_chunks() == {}
 
 
-def test_commit_record_carries_audit_fields(tmp_path: Path) -> None:
+def test_commit_record_carries_audit_fields(host: HostPipeline, tmp_path: Path) -> None:
     url = str(tmp_path / "s")
     plan = make_plan([10])
     store = ExtractionStore.open_or_create(url, plan, meta())
     record = extract_chunk(
+        host,
         store,
         plan.chunks[0],
         StatesEngine(),
@@ -311,8 +315,10 @@ def test_a_store_that_cannot_fit_is_refused_before_anything_is_written(tmp_path:
     check_free_space(str(tmp_path / "small.zarr"), make_plan([10]), meta())  # fits: no error
 
 
-def test_missing_or_truncated_object_is_named_by_verify_not_read_as_zeros(tmp_path: Path) -> None:
-    url, objects = extracted_store(tmp_path)
+def test_missing_or_truncated_object_is_named_by_verify_not_read_as_zeros(
+    host: HostPipeline, tmp_path: Path
+) -> None:
+    url, objects = extracted_store(host, tmp_path)
     objects[0].unlink()
     objects[-1].write_bytes(objects[-1].read_bytes()[:100])
     report = verify_store(ExtractionStore.open(url))
@@ -324,7 +330,7 @@ def test_missing_or_truncated_object_is_named_by_verify_not_read_as_zeros(tmp_pa
         ExtractionStore.open(url).read_rows("hidden_states", 0, 16)
 
 
-def test_direct_io_store_round_trips_exact_bytes(tmp_path: Path) -> None:
+def test_direct_io_store_round_trips_exact_bytes(host: HostPipeline, tmp_path: Path) -> None:
     # K*H*4 bytes a row, 16 rows an object: 16 KiB objects, aligned for O_DIRECT.
     url = str(tmp_path / "store")
     plan = make_plan([40, 7, 60], work=48)
@@ -341,7 +347,7 @@ def test_direct_io_store_round_trips_exact_bytes(tmp_path: Path) -> None:
             ]
 
     for chunk in plan.chunks:
-        extract_chunk(store, chunk, WideEngine(), 32, RunContext("r"))
+        extract_chunk(host, store, chunk, WideEngine(), 32, RunContext("r"))
     assert verify_store(ExtractionStore.open(url)).ok
     reader = HiddenStatesReader(url)
     for index in range(3):
@@ -351,36 +357,8 @@ def test_direct_io_store_round_trips_exact_bytes(tmp_path: Path) -> None:
         )
 
 
-def test_store_cache_reopens_a_store_recreated_under_the_same_url(tmp_path: Path) -> None:
-    import shutil
-
-    from hsx.extraction.steps import open_for_extraction
-
-    url = str(tmp_path / "store")
-    first = ExtractionStore.open_or_create(url, make_plan([10, 10], tag="a"), meta())
-    assert open_for_extraction(url, False) is open_for_extraction(url, False)
-    assert open_for_extraction(url, False).meta["plan_hash"] == first.meta["plan_hash"]
-    shutil.rmtree(url)
-    second = ExtractionStore.open_or_create(url, make_plan([30], tag="b"), meta())
-    assert open_for_extraction(url, False).meta["plan_hash"] == second.meta["plan_hash"]
-    shutil.rmtree(url)
-    with pytest.raises(StoreError, match="expected a Zarr group"):
-        open_for_extraction(url, False)
-
-
-def test_store_cache_keeps_only_the_most_recent_stores(tmp_path: Path) -> None:
-    from hsx.extraction import steps as pipeline
-
-    urls = [str(tmp_path / f"s{i}") for i in range(pipeline._OPEN_STORES_KEPT + 2)]
-    for url in urls:
-        ExtractionStore.open_or_create(url, make_plan([10]), meta())
-        pipeline.open_for_extraction(url, False)
-    kept = [key[0] for key in pipeline._OPEN_STORES]
-    assert kept == urls[-pipeline._OPEN_STORES_KEPT :]
-
-
 def test_streamed_digests_equal_digests_of_the_stored_rows(
-    store_url: str, monkeypatch: pytest.MonkeyPatch
+    host: HostPipeline, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows are hashed block by block as they are copied; the digest must be that of each whole
     stored Zarr chunk, padding included, whatever the block, sample and chunk boundaries."""
@@ -394,7 +372,7 @@ def test_streamed_digests_equal_digests_of_the_stored_rows(
     store = ExtractionStore.open_or_create(store_url, plan, meta())
     chunk = plan.chunks[0]
     samples, _ = chunk_samples(store, chunk)
-    writer = ChunkWriter(store, chunk)
+    writer = ChunkWriter(host, store, chunk)
     engine = StatesEngine()
     writer.append(samples[:2], engine.extract([s.input_ids for s in samples[:2]]))
     writer.append(samples[2:], engine.extract([s.input_ids for s in samples[2:]]))
@@ -407,7 +385,7 @@ def test_streamed_digests_equal_digests_of_the_stored_rows(
 
 @pytest.mark.parametrize(("aligned", "in_place"), [(True, 2), (False, 0)])
 def test_whole_zarr_chunks_of_aligned_results_are_written_without_a_copy(
-    tmp_path: Path, aligned: bool, in_place: int
+    host: HostPipeline, tmp_path: Path, aligned: bool, in_place: int
 ) -> None:
     """A sample covering whole Zarr chunks has them written straight from the engine's result
     when it is page-aligned (the connector's buffers are); otherwise through staging. Both
@@ -429,7 +407,7 @@ def test_whole_zarr_chunks_of_aligned_results_are_written_without_a_copy(
         target = buffer[:-1] if aligned else buffer[1:]  # 1 KiB off a page: not for O_DIRECT
         target.copy_(values)
         states.append(target)
-    writer = ChunkWriter(store, plan.chunks[0])
+    writer = ChunkWriter(host, store, plan.chunks[0])
     writer.append(samples, states)
     digests = writer.finish()["hidden_states"]
     assert writer.chunks_in_place == in_place
@@ -439,7 +417,9 @@ def test_whole_zarr_chunks_of_aligned_results_are_written_without_a_copy(
     assert digests == [digest(stored[row : row + 16]) for row in (0, 16, 32)]
 
 
-def test_verify_tells_an_unfinished_store_from_a_corrupt_one(tmp_path: Path) -> None:
+def test_verify_tells_an_unfinished_store_from_a_corrupt_one(
+    host: HostPipeline, tmp_path: Path
+) -> None:
     """A store with chunks not extracted yet is INCOMPLETE (exit 3: a resume finishes it), not
     FAILED; a flipped byte makes it CORRUPT (exit 1) whatever is missing."""
     from typer.testing import CliRunner
@@ -449,7 +429,7 @@ def test_verify_tells_an_unfinished_store_from_a_corrupt_one(tmp_path: Path) -> 
     url = str(tmp_path / "store")
     plan = make_plan([40, 40, 40], work=48)
     store = ExtractionStore.open_or_create(url, plan, meta())
-    extract_chunk(store, plan.chunks[0], StatesEngine(), 100, RunContext("r"))
+    extract_chunk(host, store, plan.chunks[0], StatesEngine(), 100, RunContext("r"))
     report = verify_store(ExtractionStore.open(url))
     assert report.state == "INCOMPLETE" and report.intact and not report.ok
     assert report.summary().startswith(
@@ -465,7 +445,9 @@ def test_verify_tells_an_unfinished_store_from_a_corrupt_one(tmp_path: Path) -> 
     assert runner.invoke(app, ["verify", url]).exit_code == 1
 
 
-def test_a_store_of_an_older_hsx_gets_its_layout_copy_once_checked(tmp_path: Path) -> None:
+def test_a_store_of_an_older_hsx_gets_its_layout_copy_once_checked(
+    host: HostPipeline, tmp_path: Path
+) -> None:
     """A store without hsx-layout.json (written before hsx kept it): verify says its documents
     are not checked; --repair checks them against the store's record and writes the copy, then
     a changed document is found; a document that disagrees with the record is refused."""
@@ -476,7 +458,7 @@ def test_a_store_of_an_older_hsx_gets_its_layout_copy_once_checked(tmp_path: Pat
 
     runner = CliRunner()
     url = str(tmp_path / "old.zarr")
-    committed_store(url)
+    committed_store(host, url)
     copy = tmp_path / "old.zarr" / COPY_NAME
     copy.unlink()
     plain = runner.invoke(app, ["verify", url])
@@ -489,7 +471,7 @@ def test_a_store_of_an_older_hsx_gets_its_layout_copy_once_checked(tmp_path: Pat
     assert runner.invoke(app, ["verify", url]).exit_code == 1  # found against the copy now
 
     other = str(tmp_path / "bad.zarr")
-    committed_store(other)
+    committed_store(host, other)
     (tmp_path / "bad.zarr" / COPY_NAME).unlink()
     shape = tmp_path / "bad.zarr" / "input_ids" / "zarr.json"
     meta = json.loads(shape.read_text())

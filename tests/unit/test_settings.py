@@ -56,24 +56,31 @@ def test_cli_values_and_environment_are_validated_together(
     assert settings.data.max_length == 512
 
 
-def test_pipeline_tunables_reach_the_process_wide_budget() -> None:
-    """The write budget and prefetch depth are settings: None scales with the machine's memory
-    (never below the 2-core measurement), a number is taken as it is, and every chunk applies
-    them to the process-wide budget its writers share."""
-    from hsx.extraction import chunk_extraction as extract
+def test_pipeline_tunables_reach_the_run_s_host_pipeline() -> None:
+    """The write budget, prefetch depth and I/O threads are settings: None scales with the
+    machine (never below the 2-core measurement), a number is taken as it is; each run's host
+    pipeline applies them, and two runs in one process keep their own limits."""
+    from hsx.extraction.host_pipeline import (
+        DEFAULT_IO_THREADS,
+        HostPipeline,
+        min_write_budget_bytes,
+        write_budget_bytes,
+    )
     from settings import PipelineSettings
 
-    auto = extract.write_budget_bytes(PipelineSettings())
-    assert extract._MIN_WRITE_BUDGET <= auto <= 4 << 30
-    try:
-        extract.configure_host_pipeline(PipelineSettings(write_budget_mib=512, prefetch_batches=3))
-        assert extract._WRITE_BUDGET.limit == 512 << 20
-        assert extract.PREFETCH_BATCHES == 3
-        assert extract._POOL_KEEP == 32  # enough staging buffers to fill the budget
-    finally:
-        extract.configure_host_pipeline(PipelineSettings())
-    assert extract._WRITE_BUDGET.limit == auto and extract.PREFETCH_BATCHES == 2
-    assert extract._IO_POOL._max_workers == extract._IO_THREADS
+    auto = write_budget_bytes(PipelineSettings())
+    assert min_write_budget_bytes(DEFAULT_IO_THREADS) <= auto <= 4 << 30
+    tuned = PipelineSettings(write_budget_mib=512, prefetch_batches=3, io_threads=3)
+    with HostPipeline(tuned, 1000) as first, HostPipeline(PipelineSettings(), 2000) as second:
+        assert first.write_budget.limit == 512 << 20
+        assert first.prefetch_batches == 3
+        assert first.staging.keep == 32  # enough staging buffers to fill the budget
+        assert first.io_pool._max_workers == 3
+        assert first.engine_queue.limit == 1000
+        # The second run's defaults are its own: nothing of the first leaked into it.
+        assert second.write_budget.limit == auto and second.prefetch_batches == 2
+        assert second.io_pool._max_workers == DEFAULT_IO_THREADS
+        assert second.engine_queue.limit == 2000
 
 
 def test_cpu_thread_binding_splits_this_process_cpus_between_ranks() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.extraction.chunk_extraction import WriteBudget
+from hsx.extraction.host_pipeline import HostPipeline, WriteBudget
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -67,13 +67,12 @@ def test_an_object_larger_than_the_budget_is_written_alone() -> None:
     assert budget.used == 1
 
 
-def test_a_failed_write_raises_and_gives_its_bytes_back(tmp_path: Path) -> None:
+def test_a_failed_write_raises_and_gives_its_bytes_back(host: HostPipeline, tmp_path: Path) -> None:
     """A real write failure: the array's folder replaced by a file. The writer raises the
-    OSError, nothing is committed, and the process budget is whole again (no leak that would
+    OSError, nothing is committed, and the run's budget is whole again (no leak that would
     stall every later chunk)."""
     import shutil
 
-    from hsx.extraction import chunk_extraction as extract
     from hsx.extraction.chunk_extraction import ChunkWriter, chunk_samples
     from hsx.store.zarr_store import ExtractionStore
     from tests.unit.test_plan_store import StatesEngine, make_plan, meta
@@ -87,9 +86,9 @@ def test_a_failed_write_raises_and_gives_its_bytes_back(tmp_path: Path) -> None:
     metadata = (hidden / "zarr.json").read_bytes()
     shutil.rmtree(hidden)
     hidden.write_bytes(metadata)  # a file where the array's folder was: every write fails
-    writer = ChunkWriter(store, plan.chunks[0])
+    writer = ChunkWriter(host, store, plan.chunks[0])
     with pytest.raises(OSError):
         writer.append(samples, StatesEngine().extract([s.input_ids for s in samples]))
         writer.finish()
-    assert extract._WRITE_BUDGET.used == 0
+    assert host.write_budget.used == 0
     assert store.committed_chunks() == {}

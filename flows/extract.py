@@ -50,9 +50,6 @@ from tasks.verify import verify_task
 # Stop early when this many chunks in a row failed after their retries: the cause is shared
 # (engine, storage), and each further attempt could cost a model load.
 MAX_CONSECUTIVE_FAILURES = 3
-# How long a flow stopped by Prefect's SIGTERM bridge waits for its chunks in flight (the CLI's
-# watchdog exits at 10 s in any case).
-STOP_WAIT_S = 5.0
 
 
 class ExtractionIncompleteError(RuntimeError):
@@ -227,7 +224,8 @@ def _extract_planned(
         request_stop("cancelled from Prefect" if cancelled else "SIGTERM received")
         # Chunks in flight reach a batch boundary (and abandon) or their commit within seconds;
         # waiting for them makes the run record count what was committed.
-        deadline = time.monotonic() + STOP_WAIT_S
+        # (timeouts.stop_wait_s; the CLI's watchdog exits at 10 s in any case)
+        deadline = time.monotonic() + settings.timeouts.stop_wait_s
         for chunk_index, future in in_flight:
             future.wait(timeout=max(deadline - time.monotonic(), 0.0))
             if not future.state.is_completed():
@@ -241,7 +239,9 @@ def _extract_planned(
     loop_seconds = time.perf_counter() - loop_started
     progress.update(done, force=True)
     stage.name = "verify"
-    verification = verify_task(settings.store, repair=settings.run.repair)
+    verification = verify_task(
+        settings.store, repair=settings.run.repair, readers=settings.timeouts.verify_readers
+    )
     repaired: list[int] = verification["repaired"]
     if repaired:
         # Corrupt chunks lost their commits: extract them again, then verify everything again.
@@ -254,7 +254,7 @@ def _extract_planned(
             else:
                 results[index] = future.result()
                 extracted_tokens += int(results[index]["tokens"])
-        verification = verify_task(settings.store)
+        verification = verify_task(settings.store, readers=settings.timeouts.verify_readers)
     wall = time.perf_counter() - started
     summary = {
         "store": settings.store,

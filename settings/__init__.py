@@ -9,6 +9,7 @@ from settings.models import (
     PipelineSettings,
     RunSettings,
     StoreSettings,
+    TimeoutSettings,
 )
 from settings.preflight import PreflightSettings
 from settings.serve import ServerSettings, ServeSettings
@@ -24,5 +25,6 @@ __all__ = [
     "ServeSettings",
     "ServerSettings",
     "StoreSettings",
+    "TimeoutSettings",
     "merge_partial",
 ]

@@ -369,6 +369,56 @@ class PipelineSettings(StrictSection):
     )
 
 
+class TimeoutSettings(StrictSection):
+    """How long hsx waits on the things around it, and how many readers verify uses. Nothing
+    here changes the data or the engine (no reload when one changes)."""
+
+    SECTION: ClassVar[str] = "timeouts"
+
+    server_handshake_s: float = Field(
+        60.0,
+        ge=1.0,
+        le=3600.0,
+        description="A new channel to an `hsx serve` server: seconds for the states of its test "
+        "prompt to come back through this node's shared memory (a server on another node "
+        "never answers; its compile on first use takes tens of seconds).",
+    )
+    server_result_s: float = Field(
+        60.0,
+        ge=1.0,
+        le=3600.0,
+        description="Seconds a server's answered request may wait for its states to arrive in "
+        "shared memory before the batch fails (transient: the chunk retries).",
+    )
+    server_request_s: float = Field(
+        1800.0,
+        ge=10.0,
+        le=86400.0,
+        description="Seconds one batch request to a server may take in all (a long queue at a "
+        "server shared by several runs is normal; a hung one fails the chunk).",
+    )
+    server_recheck_s: float = Field(
+        2.0,
+        ge=0.1,
+        le=300.0,
+        description="How often a server that was down is asked again by the pool.",
+    )
+    stop_wait_s: float = Field(
+        5.0,
+        ge=0.0,
+        le=600.0,
+        description="After a stop (Cancel, SIGTERM), seconds the flow waits for chunks in "
+        "flight to reach a batch boundary or their commit before it records them abandoned.",
+    )
+    verify_readers: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Threads reading and hashing objects in verify. None = the CPU count, at "
+        "least 8 (reads of a remote store overlap their latency).",
+    )
+
+
 class HsxSettings(BaseSettings):
     """Everything one extraction needs. The CLI and the flow take this same model."""
 
@@ -392,6 +442,7 @@ class HsxSettings(BaseSettings):
     layout: StoreSettings = Field(default_factory=StoreSettings)
     run: RunSettings = Field(default_factory=RunSettings)
     pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
 
     @model_validator(mode="before")
     @classmethod

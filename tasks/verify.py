@@ -19,10 +19,11 @@ from tasks.common import logged_failures
     retries=1,
     retry_delay_seconds=2.0,
 )
-def verify_task(store_url: str, repair: bool = False) -> dict[str, Any]:
-    """``repair``: drop the commit records of corrupt chunks (the flow re-extracts them)."""
+def verify_task(store_url: str, repair: bool = False, readers: int | None = None) -> dict[str, Any]:
+    """``repair``: drop the commit records of corrupt chunks (the flow re-extracts them);
+    ``readers``: threads reading and hashing (timeouts.verify_readers; None = the CPU count)."""
     with logged_failures("verification") as logger:
-        report, dropped = verify(store_url, repair=repair)
+        report, dropped = verify(store_url, repair=repair, readers=readers)
         lines = [f"# Verification of `{report.url}`", "", f"**{report.summary()}**", ""]
         if report.missing:
             lines.append(f"Missing (uncommitted) chunks: {report.missing[:50]}")

@@ -71,6 +71,7 @@ class ServedEngineHome(EngineHome):
             result_ring_bytes(engine, shm_folder()),
             engine.server_wait_s,
             engine.api_key.get_secret_value() if engine.api_key else None,
+            settings.timeouts,
         )
         one = engine_queue_tokens(settings)
         self.queue_limit = one * max(1, len(engine.url))  # one engine's worth per server

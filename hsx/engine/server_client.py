@@ -43,17 +43,16 @@ from hsx.engine.server_protocol import (
 )
 from hsx.engine.shm_folders import make_owned_folder
 from hsx.errors import ConfigError, EngineError, HsxError, RequestRefusedError
+from settings import TimeoutSettings
 
 logger = logging.getLogger(__name__)
 
-# The rows of a request the server answered arrive within milliseconds through the ring: a
-# request still without rows after this long was lost (the server died after answering).
-RESULT_WAIT_S = 60.0
-# The first request's rows (the handshake) must arrive this fast, or the channel is unusable.
-HANDSHAKE_WAIT_S = 60.0
-# A request may queue behind a long backlog at the server; a server that stopped answering
-# still fails it eventually (a dead one fails it at once: the connection drops).
-REQUEST_TIMEOUT_S = 1800.0
+# The waits are settings (``timeouts``): the rows of a request the server answered arrive within
+# milliseconds through the ring, so a request still without rows after ``server_result_s`` was
+# lost (the server died after answering); the handshake's rows must arrive within
+# ``server_handshake_s`` or the channel is unusable; a request may queue behind a long backlog
+# at the server, and one that stopped answering still fails after ``server_request_s`` (a dead
+# one fails at once: the connection drops).
 
 
 class ServerMismatchError(ConfigError):
@@ -177,9 +176,11 @@ class ServerEngine:
         ring_bytes: int,
         wait_s: float,
         api_key: str | None = None,
+        timeouts: TimeoutSettings | None = None,
     ) -> None:
         self.url = url
         self._api_key = api_key
+        self._timeouts = timeouts or TimeoutSettings()
         self.info = fetch_info(url, wait_s, api_key)
         problems = identity_problems(self.info, expected, url)
         if problems:
@@ -194,7 +195,7 @@ class ServerEngine:
             self._check,
             spool_dir=self._channel,
             ring_bytes=ring_bytes,
-            spool_wait_limit_s=RESULT_WAIT_S,
+            spool_wait_limit_s=self._timeouts.server_result_s,
         )
         self._failure: BaseException | None = None
         self._closed = False
@@ -233,7 +234,7 @@ class ServerEngine:
         return httpx.AsyncClient(
             base_url=self.url,
             headers=authorization_header(self._api_key),
-            timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
+            timeout=httpx.Timeout(self._timeouts.server_request_s, connect=10.0),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
         )
 
@@ -242,11 +243,11 @@ class ServerEngine:
         rows have the expected shape, are finite and are not all zero in any layer."""
         (future,) = self.submit([np.arange(4, dtype=np.int32)])
         try:
-            rows = future.result(timeout=HANDSHAKE_WAIT_S)  # [4, K, H]
+            rows = future.result(timeout=self._timeouts.server_handshake_s)  # [4, K, H]
         except TimeoutError as exc:
             raise EngineError(
                 f"server {self.url}: no states through {self._channel} within "
-                f"{HANDSHAKE_WAIT_S:g} s of its answer: the server must run on this node, as the "
+                f"{self._timeouts.server_handshake_s:g} s (timeouts.server_handshake_s) of its answer: the server must run on this node, as the "
                 "same user, and see this /dev/shm"
             ) from exc
         zero_layers = [

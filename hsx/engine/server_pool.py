@@ -4,7 +4,7 @@ A chunk asks the pool for a server when it starts: the live one with the fewest 
 outstanding, so disjoint chunks of one plan spread over the servers. A server whose requests
 fail (its process died, it restarted) is dropped; the chunk fails, and its retry asks the pool
 again and lands on a server that answers. Servers that are down are asked again at most every
-``RECHECK_S``; with none up, a chunk waits up to ``engine.server_wait_s`` for one. A server
+``timeouts.server_recheck_s``; with none up, a chunk waits up to ``engine.server_wait_s`` for one. A server
 that serves something other than the run froze is refused (ServerMismatchError, fatal).
 """
 
@@ -22,10 +22,9 @@ import xxhash
 
 from hsx.engine.server_client import ServerEngine, ServerMismatchError
 from hsx.errors import ConfigError, EngineError
+from settings import TimeoutSettings
 
 logger = logging.getLogger(__name__)
-
-RECHECK_S = 2.0  # how often a server that is down is asked again
 
 
 @dataclass
@@ -46,6 +45,7 @@ class ServerPool:
         ring_bytes: int,
         wait_s: float,
         api_key: str | None = None,
+        timeouts: TimeoutSettings | None = None,
     ) -> None:
         if not urls:
             raise ConfigError("engine.url: expected at least one server URL, found none")
@@ -55,6 +55,7 @@ class ServerPool:
         self._ring_bytes = ring_bytes
         self._wait_s = wait_s
         self._api_key = api_key
+        self._timeouts = timeouts or TimeoutSettings()
         self._clients: dict[str, ServerEngine] = {}
         self._down_since: dict[str, float] = {}
         self._last_error: dict[str, str] = {}
@@ -65,7 +66,7 @@ class ServerPool:
 
     def _start_connect_locked(self, url: str) -> None:
         """Connect to ``url`` in a thread of its own unless it is connected, being connected,
-        or was down less than RECHECK_S ago. The pool's lock is never held over network I/O
+        or was down less than ``timeouts.server_recheck_s`` ago. The pool's lock is never held over network I/O
         (the /hsx/info fetch and the handshake take up to a minute): chunks that finish
         release, and chunks that start acquire a live server, meanwhile."""
         client = self._clients.get(url)
@@ -75,7 +76,7 @@ class ServerPool:
             self._drop_locked(client)
         if url in self._connecting or self._closed:
             return
-        if time.monotonic() - self._down_since.get(url, -1e9) < RECHECK_S:
+        if time.monotonic() - self._down_since.get(url, -1e9) < self._timeouts.server_recheck_s:
             return
         self._connecting.add(url)
         threading.Thread(
@@ -89,7 +90,13 @@ class ServerPool:
         refusal: ConfigError | None = None
         try:
             client = ServerEngine(
-                url, self._expected, self._hidden_size, self._ring_bytes, 0.0, self._api_key
+                url,
+                self._expected,
+                self._hidden_size,
+                self._ring_bytes,
+                0.0,
+                self._api_key,
+                self._timeouts,
             )
         except ConfigError as exc:  # serves something else, or not an `hsx serve` at all
             refusal, error = exc, str(exc)
@@ -205,15 +212,17 @@ def get_server_pool(
     ring_bytes: int,
     wait_s: float,
     api_key: str | None = None,
+    timeouts: TimeoutSettings | None = None,
 ) -> ServerPool:
     """The process's pool for these servers and this identity (kept across chunks and runs:
     a long-lived worker keeps its channels). Another key (rotated) is another pool."""
     key_digest = xxhash.xxh3_64_hexdigest((api_key or "").encode())
-    key = repr((tuple(urls), sorted(expected.items()), hidden_size, wait_s, key_digest))
+    timeouts = timeouts or TimeoutSettings()
+    key = repr((tuple(urls), sorted(expected.items()), hidden_size, wait_s, key_digest, timeouts))
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None:
-            pool = ServerPool(urls, expected, hidden_size, ring_bytes, wait_s, api_key)
+            pool = ServerPool(urls, expected, hidden_size, ring_bytes, wait_s, api_key, timeouts)
             _POOLS[key] = pool
         return pool
 

@@ -188,7 +188,9 @@ def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
         )
 
 
-def verify(store_url: str, repair: bool = False) -> tuple[VerifyReport, dict[int, list[str]]]:
+def verify(
+    store_url: str, repair: bool = False, readers: int | None = None
+) -> tuple[VerifyReport, dict[int, list[str]]]:
     """Verify the store; with ``repair``, drop the commit records of corrupt chunks (the caller
     re-extracts them). Returns the report and the dropped chunks."""
     repaired: list[str] = []
@@ -198,6 +200,6 @@ def verify(store_url: str, repair: bool = False) -> tuple[VerifyReport, dict[int
         if repaired:
             logger.warning("repair: rewrote %s of %s from its layout copy", repaired, store_url)
     store = ExtractionStore.open(store_url, mode="r+" if repair else "r")
-    report = verify_store(store)
+    report = verify_store(store, readers=readers)
     report.metadata_repaired = repaired
     return report, (repair_store(store, report) if repair else {})

@@ -91,7 +91,7 @@ class VerifyReport:
 # Chunks verified at once: reads of storage objects overlap (each thread reads one object at a
 # time, so memory stays at READERS objects); xxh3 runs at tens of GB/s and releases the GIL.
 # Measured: one reader read a local store at 0.4 of a raw parallel read.
-READERS = max(8, os.cpu_count() or 2)
+READERS = max(8, os.cpu_count() or 2)  # the default of timeouts.verify_readers
 
 
 class _ReusedBuffers(threading.local):
@@ -174,7 +174,7 @@ def verify_store(
     store: ExtractionStore,
     only: set[int] | None = None,
     progress: Callable[[int], None] | None = None,
-    readers: int = READERS,
+    readers: int | None = None,
 ) -> VerifyReport:
     """Hash each committed chunk's objects against its commit record, ``readers`` chunks at a
     time, one storage object per reader at a time (bounded memory)."""
@@ -201,7 +201,9 @@ def verify_store(
         for _, record in committed
         for entry in record.skipped_samples
     }
-    with ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="hsx-verify") as pool:
+    with ThreadPoolExecutor(
+        max_workers=max(1, readers or READERS), thread_name_prefix="hsx-verify"
+    ) as pool:
         futures = [pool.submit(_verify_chunk, store, c, r, step) for c, r in committed]
         for future in futures:  # in chunk order: the report lists problems in order
             result = future.result()

@@ -83,6 +83,41 @@ def test_pipeline_tunables_reach_the_run_s_host_pipeline() -> None:
         assert second.engine_queue.limit == 2000
 
 
+def test_timeouts_are_settings_with_their_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waits on servers, the stop's wait and verify's readers: read from HSX_TIMEOUTS__*,
+    refused out of bounds naming the setting and the bound, and handed to the server pool and
+    its clients (the pool of other timeouts is another pool)."""
+    from hsx.engine.server_pool import get_server_pool
+    from settings import TimeoutSettings
+
+    monkeypatch.setenv("HSX_TIMEOUTS__SERVER_HANDSHAKE_S", "7.5")
+    monkeypatch.setenv("HSX_TIMEOUTS__VERIFY_READERS", "3")
+    settings = build_settings(model="m", dataset="d", store="s")
+    assert settings.timeouts.server_handshake_s == 7.5
+    assert settings.timeouts.verify_readers == 3
+    assert settings.timeouts.server_request_s == 1800.0  # the default where nothing is said
+    with pytest.raises(
+        ValidationError, match=r"timeouts\.server_recheck_s[\s\S]*greater than or equal to 0.1"
+    ):
+        HsxSettings(model="m", dataset="d", store="s", timeouts={"server_recheck_s": 0})
+    with pytest.raises(ValidationError, match=r"stop_wait_s"):
+        HsxSettings(model="m", dataset="d", store="s", timeouts={"stop_wait_s": 601})
+    identity = {"model_config_hash": "x"}
+    first = get_server_pool(["http://127.0.0.1:9"], identity, 8, 1 << 20, 1.0)
+    same = get_server_pool(
+        ["http://127.0.0.1:9"], identity, 8, 1 << 20, 1.0, None, TimeoutSettings()
+    )
+    other = get_server_pool(
+        ["http://127.0.0.1:9"], identity, 8, 1 << 20, 1.0, None, TimeoutSettings(server_recheck_s=9)
+    )
+    try:
+        assert first is same and other is not first
+        assert other._timeouts.server_recheck_s == 9
+    finally:
+        for pool in (first, other):
+            pool.close()
+
+
 def test_cpu_thread_binding_splits_this_process_cpus_between_ranks() -> None:
     import os
 

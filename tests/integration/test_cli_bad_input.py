@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,14 +179,16 @@ def test_a_100_mb_line_fails_at_once_with_flat_memory(tiny_llama: Path, tmp_path
     assert peak_huge < peak_small + 48, f"peak {peak_huge:.0f} MiB vs {peak_small:.0f} MiB"
 
 
-def test_a_store_whose_group_metadata_is_damaged_is_named_and_repaired(tmp_path: Path) -> None:
+def test_a_store_whose_group_metadata_is_damaged_is_named_and_repaired(
+    host: Any, tmp_path: Path
+) -> None:
     """The group's zarr.json cut short: zarr cannot open the store at all. `hsx verify` names
     the document (checked against the store's layout copy first), exit 1; `hsx verify
     --repair` rewrites it from the copy (no model needed), exit 0."""
     from tests.unit.test_plan_store import committed_store
 
     url = str(tmp_path / "store.zarr")
-    committed_store(url)
+    committed_store(host, url)
     document = tmp_path / "store.zarr" / "zarr.json"
     original = document.read_bytes()
     document.write_bytes(original[: len(original) // 2])

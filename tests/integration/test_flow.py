@@ -276,21 +276,23 @@ def test_a_fatal_error_in_a_chunk_task_runs_once(
     its log says so with the traceback. (Transient faults retrying: the test above.)"""
     from prefect import flow
 
+    from hsx.extraction.run import ExtractionRun
     from hsx.extraction.steps import plan_and_create_store
     from tasks.extract import extract_chunk_task
 
     settings = make_settings(tiny_llama, sample_dataset, str(tmp_path / "s.zarr"))
     plan = plan_and_create_store(settings)
     missing_chunk = plan.chunks + 5
+    run = ExtractionRun.open(settings)
 
     @flow(name="hsx-fatal-chunk")
     def one_chunk() -> Any:
         task = extract_chunk_task.with_options(retries=3, retry_delay_seconds=0)
-        return task(settings, missing_chunk, return_state=True)
+        return task(run, missing_chunk, return_state=True)
 
     from hsx.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=rf"work chunk {missing_chunk}: expected 0\.\."):
+    with run, pytest.raises(ConfigError, match=rf"work chunk {missing_chunk}: expected 0\.\."):
         one_chunk()  # a flow that returns a failed state raises its error
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.sorting import FlowRunSort

@@ -1,0 +1,103 @@
+"""The model's final norm, applied in float32 for trainers that want post-norm states.
+
+hsx stores the final state *before* the last norm (vLLM's numbering, id L). SpecForge's trainer
+applies lm_head directly to ``hidden_state``, so its export needs the state *after* the norm:
+RMSNorm with the checkpoint's own weight and ``rms_norm_eps``, computed in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsx.errors import ConfigError
+from hsx.model.config import read_config, text_config
+
+# The decoder's final norm: "model.norm.weight" (Llama, Qwen, DeepSeek-V3), nested under a
+# multimodal wrapper's language model (Kimi-K2.5: "language_model.model.norm.weight").
+_FINAL_NORM = re.compile(r"^(?:[\w.]*\.)?(?:model|language_model)\.norm\.weight$")
+# Models whose norm multiplies by (1 + weight): the plain RMSNorm below would be wrong.
+_OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class FinalNorm:
+    """RMSNorm of the model's last layer: ``x * rsqrt(mean(x^2) + eps) * weight`` in float32."""
+
+    weight: torch.Tensor  # [H] float32
+    eps: float
+    source: str  # "<file>:<tensor name>", for the export's manifest
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """[..., H] any float dtype -> [..., H] float32."""
+        x = states.float()
+        if x.shape[-1] != self.weight.shape[0]:
+            raise ConfigError(
+                f"final norm {self.source}: expected states of hidden size "
+                f"{self.weight.shape[0]}, found {x.shape[-1]}"
+            )
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        return x * torch.rsqrt(variance + self.eps) * self.weight
+
+
+def _weight_files(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file, from the index or from each file's header."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return {str(name): str(file) for name, file in weight_map.items()}
+    from safetensors import safe_open
+
+    names: dict[str, str] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            names.update({name: file.name for name in handle.keys()})  # noqa: SIM118
+    return names
+
+
+def load_final_norm(model_dir: Path, config: dict[str, Any] | None = None) -> FinalNorm:
+    """The final norm of the model in ``model_dir``; ConfigError naming what was expected and
+    found when its weight or epsilon cannot be found (before any state is written)."""
+    config = config if config is not None else read_config(model_dir)
+    text = text_config(config)
+    model_type = str(text.get("model_type") or config.get("model_type") or "")
+    if model_type in _OFFSET_NORM_TYPES:
+        raise ConfigError(
+            f"{model_dir}: expected a model whose final norm is a plain RMSNorm, found "
+            f"model_type {model_type!r} (its norm scales by 1 + weight): export pre-norm states"
+        )
+    eps = text.get("rms_norm_eps")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
+        raise ConfigError(
+            f"{model_dir}/config.json: expected 'rms_norm_eps' a positive number for the final "
+            f"norm, found {eps!r}"
+        )
+    files = _weight_files(model_dir)
+    if not files:
+        raise ConfigError(
+            f"{model_dir}: expected safetensors weights holding the final norm, found none "
+            "(a store made with load_format=dummy has no weights to export post-norm states from)"
+        )
+    candidates = sorted(name for name in files if _FINAL_NORM.match(name) and "layers." not in name)
+    if len(candidates) != 1:
+        raise ConfigError(
+            f"{model_dir}: expected exactly one final norm weight (e.g. 'model.norm.weight'), "
+            f"found {candidates or 'none'} among {len(files)} tensors"
+        )
+    name = candidates[0]
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / files[name]), framework="pt") as handle:
+        weight = handle.get_tensor(name).float()
+    hidden = int(text["hidden_size"])
+    if tuple(weight.shape) != (hidden,):
+        raise ConfigError(
+            f"{model_dir}/{files[name]}:{name}: expected shape ({hidden},), found "
+            f"{tuple(weight.shape)}"
+        )
+    return FinalNorm(weight, float(eps), f"{files[name]}:{name}")

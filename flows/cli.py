@@ -4,13 +4,15 @@ hsx/ itself never imports prefect.
     hsx demo                      the main job on the bundled tiny model and dataset
     hsx extract --model DIR --dataset FILE --store URL [options]
     hsx verify STORE_URL          exit 0 only when every planned chunk is committed and verifies
+    hsx export STORE --format F --out OUT   a store into a trainer's files (speculators, ...)
+    hsx vocab STORE --draft-vocab-size N --out DIR   the draft vocabulary of a store
     hsx info STORE_URL            provenance, commits and runs of a store (the audit record)
     hsx preflight MODEL_DIR       checks that take seconds, before the long model load
     hsx serve MODEL_DIR           vLLM's server with extraction on: load once, many runs use it
     hsx make-tiny-models DIR      build the tiny Llama and DeepSeek-V3 models
 
 This module only assembles the app; the commands live in extract_cli (extract, demo), store_cli
-(verify, info), preflight_cli (preflight, make-tiny-models), serve_cli and runs_cli, and what
+(verify, info), export_cli (export, vocab), preflight_cli (preflight, make-tiny-models), serve_cli and runs_cli, and what
 they share in cli_common.
 """
 
@@ -29,6 +31,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flows.cli_common import build_settings
+from flows.export_cli import export, vocab
 from flows.extract_cli import demo, extract
 from flows.preflight_cli import make_tiny_models, preflight
 from flows.runs_cli import runs_app
@@ -47,6 +50,8 @@ app.command()(serve)
 app.command()(extract)
 app.command()(demo)
 app.command()(verify)
+app.command()(export)
+app.command()(vocab)
 app.command()(info)
 app.command()(preflight)
 app.command("make-tiny-models")(make_tiny_models)

@@ -44,7 +44,7 @@ def _older_store_layout(
 
 
 def verify(
-    store_url: Annotated[str, typer.Argument(help="Store URL.")],
+    store_url: Annotated[str, typer.Argument(help="Store URL, or an export's folder.")],
     repair: Annotated[
         bool,
         typer.Option(
@@ -60,8 +60,17 @@ def verify(
         str | None, typer.Option(help="With --repair: the dataset (path or URL), to re-extract.")
     ] = None,
 ) -> None:
-    """Re-hash every committed chunk; exit 0 only when every planned chunk verifies."""
+    """Re-hash every committed chunk (or, for an export, every file its manifest lists); exit 0
+    only when everything verifies, 3 when intact but unfinished, 1 when anything is corrupt."""
     from hsx.errors import HsxError
+    from hsx.trainers.export import is_export
+
+    if is_export(store_url):
+        if repair:
+            fail("--repair: expected a store, found an export (re-run `hsx export` to repair it)")
+        from flows.export_cli import verify_export_cli
+
+        verify_export_cli(store_url)
     from hsx.store.verify import repair_store, verify_store
     from hsx.store.zarr_store import ExtractionStore
 

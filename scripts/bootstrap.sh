@@ -46,6 +46,13 @@ if [[ "$HSX_VLLM" == cpu ]]; then
 else
   quiet "$venv/bin/pip" install -q -e ".[gpu,s3,dev]"
 fi
+# The trainers' own packages, whose readers are the test of hsx's exports (tests/integration/
+# test_trainer_exports.py): --no-deps into a folder of their own (their pins clash with the
+# engine's: datasets<=5.1, torch 2.11, sglang), plus the few modules their readers import
+# (hs-connectors for speculators; omegaconf, pulp, scipy for modelopt). Not on hsx's path.
+quiet "$venv/bin/pip" install -q --no-deps --upgrade --target "$venv/trainers" \
+  speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 nvidia-modelopt==0.47.0 \
+  omegaconf==2.4.0 pulp==3.3.2 scipy==1.17.1
 # tcmalloc: glibc's malloc fragments under hsx's allocation pattern (flows/allocator.py); the
 # CLI preloads tcmalloc when present. Best effort: only where apt works without a prompt.
 if [[ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 && "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then

@@ -76,6 +76,16 @@ def prefect_harness() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session")
+def trainers_site() -> Path:
+    """The trainers' packages (speculators, specforge, nvidia-modelopt), installed --no-deps by
+    scripts/bootstrap.sh into .venv/trainers: put on a child process's PYTHONPATH."""
+    site = REPO_ROOT / ".venv" / "trainers"
+    if not (site / "speculators").is_dir() or not (site / "specforge").is_dir():
+        missing_component(f"the trainers' packages at {site}: run `make venv`")
+    return site
+
+
 def make_settings(model: Path, dataset: Path, store: str, **sections: dict[str, Any]) -> Any:
     """fp32 engine (bit-level comparisons with HF), small KV cache, small work chunks."""
     from settings import HsxSettings

@@ -72,12 +72,20 @@ class ExportPlan:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExportPlan:
         units = [
-            ExportUnit(int(u["index"]), tuple(int(s) for s in u["samples"]), int(u["first_position"]))
+            ExportUnit(
+                int(u["index"]), tuple(int(s) for s in u["samples"]), int(u["first_position"])
+            )
             for u in data["units"]
         ]
         left_out = {int(k): str(v) for k, v in data["left_out"].items()}
         return cls(
-            data["out"], data["store"], data["format"], data["model"], units, left_out, data["inputs"]
+            data["out"],
+            data["store"],
+            data["format"],
+            data["model"],
+            units,
+            left_out,
+            data["inputs"],
         )
 
 

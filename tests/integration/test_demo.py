@@ -3,6 +3,7 @@ repository (no models, no stores yet), its exit code, its output and what it lea
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -34,7 +35,23 @@ def _fresh_copy(target: Path) -> Path:
     return target
 
 
+def _environment_is_current() -> bool:
+    """Whether the shared .venv was built from today's pyproject.toml (scripts/bootstrap.sh's
+    stamp): a stale one would be reinstalled by the copy's `make demo`, editable from the copy,
+    and every later test would run the copy's code."""
+    hashed = b"".join(
+        (REPO_ROOT / name).read_bytes()
+        for name in ("pyproject.toml", "requirements/cpu-constraints.txt", "scripts/bootstrap.sh")
+    )
+    engine = os.environ.get("HSX_VLLM", "cpu").encode()
+    stamp = REPO_ROOT / ".venv" / ".hsx-stamp"
+    wanted = hashlib.sha256(hashed + engine).hexdigest()[:16]
+    return stamp.is_file() and stamp.read_text().strip() == wanted
+
+
 def test_make_demo_from_a_fresh_copy(tmp_path: Path) -> None:
+    if not _environment_is_current():
+        pytest.fail("the shared .venv is older than pyproject.toml: run `make venv` first")
     clone = _fresh_copy(tmp_path / "hsx")
     assert not (clone / "models").exists() and not (clone / "stores").exists()
     env = {

@@ -25,6 +25,7 @@ HSX_ORDER = (
     "hsx.data",
     "hsx.plan",
     "hsx.store",
+    "hsx.trainers",
     "hsx.engine",
     "hsx.extraction",
     "hsx.preflight",

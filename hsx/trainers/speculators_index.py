@@ -42,10 +42,18 @@ def dataset_files(reader: HiddenStatesReader, positions: Sequence[int]) -> list[
     )
     dataset = Dataset(table)
     dataset.set_format(type="torch")  # persisted in state.json: its reader needs tensors
-    with tempfile.TemporaryDirectory(prefix="hsx-export-index-") as scratch:
-        dataset.save_to_disk(scratch)
-        return [
-            ExportFile(path.name, path.read_bytes())
-            for path in sorted(Path(scratch).iterdir())
-            if path.is_file()
-        ]
+    from datasets import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    quiet = are_progress_bars_disabled()
+    disable_progress_bars()  # the flow logs its own progress; a tqdm bar would interleave
+    try:
+        with tempfile.TemporaryDirectory(prefix="hsx-export-index-") as scratch:
+            dataset.save_to_disk(scratch)
+            return [
+                ExportFile(path.name, path.read_bytes())
+                for path in sorted(Path(scratch).iterdir())
+                if path.is_file()
+            ]
+    finally:
+        if not quiet:
+            enable_progress_bars()

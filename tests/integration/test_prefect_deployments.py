@@ -36,7 +36,7 @@ def test_the_ui_shows_the_api_of_its_own_port(stack: Stack) -> None:
     settings = httpx.get(f"http://127.0.0.1:{stack.port}/ui-settings", timeout=30).json()
     assert settings["api_url"] == stack.api
     names = {d["name"]: d for d in stack.call("POST", "/deployments/filter", json={}).json()}
-    assert set(names) == {"extract", "extract-served", "preflight", "verify"}
+    assert set(names) == {"extract", "extract-served", "preflight", "verify", "export"}
     assert names["verify"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
     extract = names["extract"]["parameters"]["settings"]
     assert extract["model"] == f"{REPO_ROOT}/models/tiny-llama"  # usable as it is
@@ -58,6 +58,11 @@ def test_three_deployments_run_with_partial_parameters(stack: Stack, tmp_path: P
     verify = stack.run("hsx-verify", "verify", {"store": store})
     verified = stack.wait(verify)
     assert verified["state_type"] == "COMPLETED", verified["state"]["message"]
+    exported = stack.wait(
+        stack.run("hsx-export", "export", {"store": store, "out": str(tmp_path / "exported")})
+    )
+    assert exported["state_type"] == "COMPLETED", exported["state"]["message"]
+    assert (tmp_path / "exported" / "hsx-export.json").is_file()  # the deployment's speculators
 
     opened = ExtractionStore.open(store)
     assert opened.meta["settings"]["run"]["retries"] == 2  # the deployment's, merged

@@ -31,6 +31,22 @@ def _equal(name: str, found: torch.Tensor, expected: torch.Tensor, problems: lis
         )
 
 
+def _same_items(
+    name: str, ours: dict[str, Any], theirs: dict[str, Any], problems: list[str]
+) -> None:
+    """hsx's dataset item against the trainer's reader's item: the same keys, equal tensors."""
+    if set(ours) != set(theirs):
+        problems.append(f"{name}: expected keys {sorted(theirs)}, found {sorted(ours)}")
+        return
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            if ours[key].dtype != value.dtype:
+                problems.append(f"{name} {key}: expected {value.dtype}, found {ours[key].dtype}")
+            _equal(f"{name} {key}", ours[key], value, problems)
+        elif ours[key] != value:
+            problems.append(f"{name} {key}: expected {value!r}, found {ours[key]!r}")
+
+
 def check_speculators(
     out: Path, reader: HiddenStatesReader, positions: list[int]
 ) -> dict[str, Any]:
@@ -69,6 +85,11 @@ def check_speculators(
                 problems,
             )
             items.append(item)
+    from hsx.trainers.datasets import SpeculatorsDataset
+
+    ours = SpeculatorsDataset(reader.store.url, positions)
+    for position, item in enumerate(items):
+        _same_items(f"hsx dataset row {position}", ours[position], item, problems)
     hidden = reader.hidden_size
     batch = CollateFn(
         max_len=8192, hidden_size=hidden, num_target_layers=len(reader.layer_ids) - 1
@@ -91,6 +112,11 @@ def check_specforge(out: Path, reader: HiddenStatesReader, positions: list[int])
     )
     from specforge.training.vocab_mapping import count_effective_feature_tokens
 
+    from hsx.trainers.datasets import SpecForgeDataset
+    from hsx.trainers.final_norm import load_final_norm
+
+    norm = load_final_norm(Path(reader.store.meta["model"]["path"]))
+    specforge_dataset = SpecForgeDataset(reader.store.url, norm, max_len=8192, samples=positions)
     files = list_feature_files(str(out))
     refs = OfflineManifestReader(str(out), validate_files=True).read()
     problems: list[str] = []
@@ -112,6 +138,8 @@ def check_specforge(out: Path, reader: HiddenStatesReader, positions: list[int])
             problems,
         )
         targets[index] = item["target"][0]
+        ours = specforge_dataset[position]
+        _same_items(f"hsx dataset file {position}", ours, item, problems)
     counts = count_effective_feature_tokens(str(out), max_length=8192)
     torch.save(targets, out.parent / f"{out.name}-targets.pt")  # post-norm, for the HF check
     return {
@@ -155,6 +183,11 @@ def check_modelopt(out: Path, reader: HiddenStatesReader, positions: list[int]) 
                 f"file {position}: expected base_hidden_prenorm True, found {item['base_hidden_prenorm']}"
             )
         items.append(item)
+    from hsx.trainers.datasets import ModelOptDataset
+
+    ours = ModelOptDataset(reader.store.url, positions)
+    for position, item in enumerate(items):
+        _same_items(f"hsx dataset file {position}", ours[position], item, problems)
     batch = EagleOfflineDataCollator(train_len=64)(items[:4])
     return {
         "compared": len(items),

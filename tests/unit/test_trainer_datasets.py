@@ -1,0 +1,71 @@
+"""hsx's training datasets over a store in DataLoader workers (fork and spawn: each worker opens
+the store itself), and the length-grouped sampler's sharding by rank. (That each item equals
+the trainer's own reader's item: tests/integration/test_trainer_exports.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hsx.extraction.host_pipeline import HostPipeline
+from hsx.store.reader import HiddenStatesReader
+from hsx.trainers.datasets import LengthGroupedSampler, ModelOptDataset, SpeculatorsDataset
+from tests.unit.test_plan_store import committed_store
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_items_in_workers_equal_the_reader(
+    host: HostPipeline, tmp_path: Path, context: str
+) -> None:
+    url = str(tmp_path / "store")
+    committed_store(host, url)
+    dataset = SpeculatorsDataset(url)
+    assert len(dataset) == 4 and dataset._reader is not None
+    loader = DataLoader(
+        dataset, batch_size=None, num_workers=2, multiprocessing_context=context, shuffle=False
+    )
+    reader = HiddenStatesReader(url)
+    items = list(loader)
+    assert len(items) == 4
+    for position, item in enumerate(items):
+        sample = reader.sample(int(dataset.samples[position]))
+        assert torch.equal(item["hidden_states"], sample.aux_hidden_states)
+        assert torch.equal(item["verifier_last_hidden_states"], sample.target_hidden_states)
+        assert torch.equal(item["input_ids"], sample.input_ids)
+        assert item["lengths"].tolist() == [sample.input_ids.shape[0]]
+
+
+def test_modelopt_items_carry_labels_and_the_prenorm_flag(
+    host: HostPipeline, tmp_path: Path
+) -> None:
+    url = str(tmp_path / "store")
+    committed_store(host, url)
+    item = ModelOptDataset(url)[1]
+    ids = item["input_ids"]
+    assert torch.equal(item["labels"][:-1], ids[1:]) and int(item["labels"][-1]) == -100
+    assert item["base_hidden_prenorm"] is True
+    assert item["aux_hidden_states"].shape == (ids.shape[0], 2 * 32)  # K-1 aux layers of H
+
+
+def test_the_sampler_shards_every_position_once_in_length_groups() -> None:
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(5, 500, size=103)
+    shards = [list(LengthGroupedSampler(lengths, rank, 4, group=16, seed=7)) for rank in range(4)]
+    assert {len(shard) for shard in shards} == {26}  # equal counts: 103 padded to 104
+    seen = [p for shard in shards for p in shard]
+    assert sorted(set(seen)) == list(range(103)) and len(seen) == 104
+    # Within a window, neighbours are close in length: sorting inside the window holds per rank.
+    first = LengthGroupedSampler(lengths, 0, 1, group=16, seed=7)
+    order = list(first)
+    windows = [order[i : i + 16] for i in range(0, 96, 16)]
+    assert all(list(lengths[w]) == sorted(lengths[w]) for w in windows)
+    first.set_epoch(1)
+    assert list(first) != order  # another epoch, another shuffle
+    with pytest.raises(ValueError, match=r"rank: expected 0\.\.3, found 4"):
+        LengthGroupedSampler(lengths, 4, 4)

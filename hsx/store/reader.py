@@ -8,6 +8,7 @@ failed a check and was skipped (capture.on_bad_states=skip) is left out, its rea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +78,15 @@ class HiddenStatesReader:
         return self._available
 
     def sample(self, index: int) -> Sample:
+        self._check_usable(index)
+        start, length = int(self._starts[index]), int(self._lengths[index])
+        end = start + length
+        ids = torch.from_numpy(self.store.read_rows("input_ids", start, end).astype(np.int64))
+        mask = torch.from_numpy(self.store.read_rows("loss_mask", start, end).astype(bool))
+        states = self._as_tensor(self.store.read_rows("hidden_states", start, end))
+        return Sample(index, ids, mask, states, self.layer_ids)
+
+    def _check_usable(self, index: int) -> None:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample index: expected 0..{self.num_samples - 1}, found {index}")
         if not self._committed[index]:
@@ -88,16 +98,31 @@ class HiddenStatesReader:
                 f"sample {index} of {self.store.url}: skipped at extraction, its states failed "
                 f"a check: {self.skipped_samples[index]}"
             )
-        start, length = int(self._starts[index]), int(self._lengths[index])
-        end = start + length
-        ids = torch.from_numpy(self.store.read_rows("input_ids", start, end).astype(np.int64))
-        mask = torch.from_numpy(self.store.read_rows("loss_mask", start, end).astype(bool))
-        raw = self.store.read_rows("hidden_states", start, end)
+
+    def samples(self, indices: Sequence[int]) -> list[Sample]:
+        """Several samples (a training batch), each storage object they touch read once."""
+        for index in indices:
+            self._check_usable(index)
+        ranges = [(int(self._starts[i]), int(self._starts[i] + self._lengths[i])) for i in indices]
+        ids = self.store.read_row_ranges("input_ids", ranges)
+        masks = self.store.read_row_ranges("loss_mask", ranges)
+        states = self.store.read_row_ranges("hidden_states", ranges)
+        return [
+            Sample(
+                int(index),
+                torch.from_numpy(ids[n].astype(np.int64)),
+                torch.from_numpy(masks[n].astype(bool)),
+                self._as_tensor(states[n]),
+                self.layer_ids,
+            )
+            for n, index in enumerate(indices)
+        ]
+
+    def _as_tensor(self, raw: np.ndarray) -> torch.Tensor:
+        """[tokens, K, H] stored rows as a tensor of the logical dtype (bf16 stored as uint16)."""
         if self.logical_dtype == "bfloat16":
-            states = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
-        else:
-            states = torch.from_numpy(raw)
-        return Sample(index, ids, mask, states, self.layer_ids)
+            return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(raw))
 
     def __len__(self) -> int:
         return len(self._available)

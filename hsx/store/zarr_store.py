@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -379,6 +379,24 @@ class ExtractionStore:
         if self._raw_chunks.get(name, False) and row_start % c == 0 and row_end % c == 0:
             return self._read_objects(name, row_start, row_end, reuse)
         return np.asarray(self.array(name)[row_start:row_end])
+
+    def read_row_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """Rows of each [start, end) range, every storage object they touch read once: the
+        samples of a shuffled training batch often share objects (one object holds many short
+        samples; a long one spans several), and reading per sample reads them again."""
+        c = self.rows_per_chunk
+        if not self._raw_chunks.get(name, False):
+            return [np.asarray(self.array(name)[start:end]) for start, end in ranges]
+        needed = sorted({obj for start, end in ranges for obj in range(start // c, -(-end // c))})
+        objects = {obj: self._read_objects(name, obj * c, (obj + 1) * c, None) for obj in needed}
+        out = []
+        for start, end in ranges:
+            parts = [
+                objects[obj][max(start, obj * c) - obj * c : min(end, (obj + 1) * c) - obj * c]
+                for obj in range(start // c, -(-end // c))
+            ]
+            out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return out
 
     def _read_objects(
         self, name: str, row_start: int, row_end: int, reuse: np.ndarray | None

@@ -58,6 +58,11 @@ class StoreDataset(Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
         return self.item(self.reader().sample(int(self.samples[position])))
 
+    def __getitems__(self, positions: list[int]) -> list[dict[str, torch.Tensor]]:
+        """A DataLoader batch: every storage object its samples touch read once."""
+        chosen = [int(self.samples[p]) for p in positions]
+        return [self.item(sample) for sample in self.reader().samples(chosen)]
+
     def item(self, sample: Sample) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 

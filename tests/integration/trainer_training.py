@@ -4,10 +4,12 @@ with the trainer's own reader. Run in a child process whose path holds the train
 
     python -m tests.integration.trainer_training speculators EXPORT_DIR VERIFIER_DIR
     python -m tests.integration.trainer_training specforge EXPORT_DIR TARGET_DIR VOCAB_DIR
+    python -m tests.integration.trainer_training modelopt EXPORT_DIR BASE_MODEL_DIR
 
 TARGET_DIR is a sharded copy of the target model (SpecForge's TargetHead reads
-model.safetensors.index.json); VOCAB_DIR is what ``hsx vocab`` wrote. Prints one line,
-``RESULT {json}``: the losses of both steps and what was trained on."""
+model.safetensors.index.json); VOCAB_DIR is what ``hsx vocab`` wrote. Each runs the trainer's
+model forward, backward and an AdamW step in a hand loop (their own Trainer classes need CUDA).
+Prints one line, ``RESULT {json}``: each step's loss and gradient norm, and what was trained on."""
 
 from __future__ import annotations
 
@@ -21,6 +23,19 @@ import torch
 STEPS = 2
 MAX_LEN = 256  # tokens per packed / padded batch
 TTT_STEPS = 3  # draft steps unrolled per batch (test-time training)
+
+
+def _step(
+    loss: torch.Tensor, optimizer: torch.optim.Optimizer, record: dict[str, list[float]]
+) -> None:
+    """Backward and one optimizer step; records the loss and the trainable parameters' gradient
+    norm (zero would mean the loss reached none of them)."""
+    optimizer.zero_grad()
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    record["losses"].append(float(loss.detach()))
+    record["grad_norms"].append(float(torch.nn.utils.get_total_norm([p.grad for p in params])))
+    optimizer.step()
 
 
 def train_speculators(out: Path, verifier: Path) -> dict[str, Any]:
@@ -69,17 +84,14 @@ def train_speculators(out: Path, verifier: Path) -> dict[str, Any]:
     loss_config = resolve_loss_config("kl_div", "eager")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
-    losses: list[float] = []
+    record: dict[str, list[float]] = {"losses": [], "grad_norms": []}
     shapes: dict[str, list[int]] = {}
     for _, batch in zip(range(STEPS), loader, strict=False):
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
         shapes = {k: list(v.shape) for k, v in tensors.items()}
         _, loss, _ = model(**tensors, ttt_steps=TTT_STEPS, loss_config=loss_config)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
-    return {"losses": losses, "rows": len(dataset), "batch": shapes, "aux_layers": aux_layers}
+        _step(loss, optimizer, record)
+    return {**record, "rows": len(dataset), "batch": shapes, "aux_layers": aux_layers}
 
 
 def train_specforge(out: Path, target: Path, vocab: Path) -> dict[str, Any]:
@@ -134,7 +146,7 @@ def train_specforge(out: Path, target: Path, vocab: Path) -> dict[str, Any]:
     samples = [normalize_offline_sample(load_feature_file(f), max_len=MAX_LEN) for f in files]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
-    losses: list[float] = []
+    record: dict[str, list[float]] = {"losses": [], "grad_norms": []}
     shapes: dict[str, list[int]] = {}
     for step in range(STEPS):
         batch = collate(samples[2 * step : 2 * step + 2])
@@ -150,11 +162,75 @@ def train_specforge(out: Path, target: Path, vocab: Path) -> dict[str, Any]:
             hidden_states=batch["hidden_state"].float(),
         )
         loss = sum(0.8**i * p for i, p in enumerate(plosses))  # its default ploss decay
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
-    return {"losses": losses, "rows": len(files), "batch": shapes}
+        _step(loss, optimizer, record)
+    return {**record, "rows": len(files), "batch": shapes}
+
+
+def train_modelopt(out: Path, base: Path) -> dict[str, Any]:
+    """nvidia-modelopt 0.47.0: the base model converted with ``mtsp.convert(model, [("eagle",
+    {"eagle_offline": True, ...})])``, fed by its OfflineSupervisedDataset and
+    EagleOfflineDataCollator (the way its examples/speculative_decoding/main.py does, without HF's
+    Trainer). Its loss re-applies the base model's final norm to the pre-norm exported state
+    (``base_hidden_prenorm``) before the base lm_head."""
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.speculative.eagle.utils import (
+        EagleOfflineDataCollator,
+        OfflineSupervisedDataset,
+    )
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    manifest = json.loads((out / "hsx-export.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = model.config
+    draft = {
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.vocab_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "use_aux_hidden_state": True,
+        # modelopt counts layers as decoder-layer outputs (its hooks sit on layers[i])
+        "eagle_aux_hidden_state_layer_ids": list(manifest["aux_layer_ids_layer_outputs"]),
+        "torch_dtype": "float32",
+        "_attn_implementation": "sdpa",
+    }
+    torch.manual_seed(0)
+    mtsp.convert(
+        model,
+        [
+            (
+                "eagle",
+                {
+                    "eagle_offline": True,
+                    "eagle_architecture_config": draft,
+                    "eagle_use_torch_compile": False,
+                    "eagle_ttt_steps": TTT_STEPS,
+                },
+            )
+        ],
+    )
+    # transformers 5.x compatibility, not a CPU change: modelopt 0.47.0 builds this lazily as
+    # LlamaRotaryEmbedding(config=..., device=...), and transformers 5.x's __init__ no longer
+    # takes ``device`` (TypeError). Build the same module from the same config beforehand, so
+    # its _maybe_init_rope finds it; everything else is modelopt's code unchanged.
+    model.eagle_module.rotary_emb = LlamaRotaryEmbedding(config=model.eagle_module.config)
+    files = sorted(str(p) for p in out.rglob("*.pt"))
+    dataset = OfflineSupervisedDataset(files, answer_only_loss=True)
+    collate = EagleOfflineDataCollator(train_len=MAX_LEN)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model.train()
+    record: dict[str, list[float]] = {"losses": [], "grad_norms": []}
+    shapes: dict[str, list[int]] = {}
+    for step in range(STEPS):
+        batch = collate([dataset[2 * step], dataset[2 * step + 1]])
+        shapes = {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        output = model(**batch)
+        _step(output.loss, optimizer, record)
+    return {**record, "rows": len(dataset), "batch": shapes}
 
 
 def main() -> None:
@@ -163,6 +239,8 @@ def main() -> None:
         result = train_speculators(out, Path(sys.argv[3]))
     elif format_name == "specforge":
         result = train_specforge(out, Path(sys.argv[3]), Path(sys.argv[4]))
+    elif format_name == "modelopt":
+        result = train_modelopt(out, Path(sys.argv[3]))
     else:
         raise SystemExit(f"no CPU training recipe for {format_name!r}")
     print("RESULT " + json.dumps(result))

@@ -4,6 +4,7 @@ the trainer's own reader's item: tests/integration/test_trainer_exports.py.)"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +12,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from hsx.extraction.chunk_extraction import RunContext, extract_chunk
 from hsx.extraction.host_pipeline import HostPipeline
 from hsx.store.reader import HiddenStatesReader
+from hsx.store.zarr_store import ExtractionStore
 from hsx.trainers.datasets import LengthGroupedSampler, ModelOptDataset, SpeculatorsDataset
-from tests.unit.test_plan_store import committed_store
+from tests.unit.test_plan_store import StatesEngine, committed_store, make_plan, meta
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,6 +42,40 @@ def test_items_in_workers_equal_the_reader(
         assert torch.equal(item["verifier_last_hidden_states"], sample.target_hidden_states)
         assert torch.equal(item["input_ids"], sample.input_ids)
         assert item["lengths"].tolist() == [sample.input_ids.shape[0]]
+
+
+def test_a_batch_reads_each_storage_object_once(host: HostPipeline, tmp_path: Path) -> None:
+    """Eight short samples packed in objects of 16 rows (two or three share an object, some
+    span two): read one by one they open shared objects again; as one batch, each once."""
+    url = str(tmp_path / "store")
+    plan = make_plan([6, 9, 7, 12, 5, 10, 8, 11], c=16, work=80)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    for chunk in plan.chunks:
+        extract_chunk(host, store, chunk, StatesEngine(), 100, RunContext("r"))
+    dataset = SpeculatorsDataset(url)
+    order = [5, 0, 7, 2, 3, 6, 1, 4]
+    folder = str(Path(url) / "hidden_states")
+    opened: list[str] = []
+    armed = [False]
+
+    def hook(event: str, args: tuple[object, ...]) -> None:
+        if armed[0] and event == "open" and str(args[0]).startswith(folder):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(hook)
+    armed[0] = True
+    try:
+        one_by_one = [dataset[p] for p in range(8)]
+        singly = list(opened)
+        opened.clear()
+        batch = dataset.__getitems__(order)
+    finally:
+        armed[0] = False
+    assert len(opened) == len(set(opened)) == len(set(singly)), (opened, singly)
+    assert len(singly) > len(opened), singly  # shared objects were read again one by one
+    for item, position in zip(batch, order, strict=True):
+        expected = one_by_one[position]
+        assert all(torch.equal(item[key], expected[key]) for key in expected)
 
 
 def test_modelopt_items_carry_labels_and_the_prenorm_flag(

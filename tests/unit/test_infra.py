@@ -36,6 +36,7 @@ def test_deployment_entrypoints_and_parameters_are_valid() -> None:
         "extract-served": "hsx-extract",
         "preflight": "hsx-preflight",
         "verify": "hsx-verify",
+        "export": "hsx-export",
     }
     for name in ("extract", "extract-served"):
         (extract,) = [d for d in spec["deployments"] if d["name"] == name]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -35,6 +36,7 @@ from hsx.store.storage_io import exists, storage_error, store_io, write_atomic
 
 SCHEMA_VERSION = 1
 HSX_ATTR = "hsx"
+_BATCH_READERS = 8  # objects of one batch read at once (read_row_ranges)
 COMMITS_DIR = "commits"
 RUNS_DIR = "runs"
 ROW_ARRAYS = ("input_ids", "loss_mask", "hidden_states")
@@ -388,7 +390,16 @@ class ExtractionStore:
         if not self._raw_chunks.get(name, False):
             return [np.asarray(self.array(name)[start:end]) for start, end in ranges]
         needed = sorted({obj for start, end in ranges for obj in range(start // c, -(-end // c))})
-        objects = {obj: self._read_objects(name, obj * c, (obj + 1) * c, None) for obj in needed}
+
+        def read(obj: int) -> np.ndarray:
+            return self._read_objects(name, obj * c, (obj + 1) * c, None)
+
+        if len(needed) > 1:
+            # Concurrent reads: an object store's latency overlaps (a batch touches several).
+            with ThreadPoolExecutor(min(len(needed), _BATCH_READERS)) as pool:
+                objects = dict(zip(needed, pool.map(read, needed), strict=True))
+        else:
+            objects = {obj: read(obj) for obj in needed}
         out = []
         for start, end in ranges:
             parts = [

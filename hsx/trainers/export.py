@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 MANIFEST = "hsx-export.json"
 STATE = ".hsx-export"
 EXPORT_SCHEMA = 1
+_GROUP_BYTES = 256 << 20  # states of the samples read together (each object once)
 
 
 @dataclass(frozen=True)
@@ -223,11 +224,13 @@ class Exporter:
             result.skipped = True
             return result
         files: dict[str, dict[str, Any]] = {}
-        for offset, sample_index in enumerate(unit.samples):
-            sample = self.reader.sample(sample_index)
-            position = unit.first_position + offset
-            for file in self.format.sample_files(sample, position, self.norm):
-                files[file.path] = {**self.write_file(file, result), "sample": sample_index}
+        position = unit.first_position
+        for group in self._read_groups(unit.samples):
+            # Each storage object of the group read once (a sample's rows rarely fill one).
+            for sample in self.reader.samples(group):
+                for file in self.format.sample_files(sample, position, self.norm):
+                    files[file.path] = {**self.write_file(file, result), "sample": sample.index}
+                position += 1
         record = {"unit": unit.index, "samples": list(unit.samples), "files": files}
         write_atomic(
             self.fs,
@@ -237,6 +240,21 @@ class Exporter:
             store=self.plan.out,
         )
         return result
+
+    def _read_groups(self, samples: tuple[int, ...]) -> list[list[int]]:
+        """Consecutive samples in groups of at most _GROUP_BYTES of states (memory bound)."""
+        row_bytes = len(self.reader.layer_ids) * self.reader.hidden_size * 4
+        _, lengths = self.reader.store.sample_rows(0, self.reader.num_samples)
+        groups: list[list[int]] = [[]]
+        held = 0
+        for sample in samples:
+            size = int(lengths[sample]) * row_bytes
+            if groups[-1] and held + size > _GROUP_BYTES:
+                groups.append([])
+                held = 0
+            groups[-1].append(sample)
+            held += size
+        return [group for group in groups if group]
 
     # -- the end -------------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:

@@ -1,0 +1,272 @@
+"""Export and training-read benchmark, each against a raw baseline measured in the same run:
+
+1. Export GB/s: hsx's export of a store (read the store, serialize each sample in the
+   trainer's format, hash, write atomically, record) against a raw write of the same bytes
+   (the same files and sizes, plain writes, the same threads).
+2. Shuffled reading: hsx's training dataset read in shuffled batches (``__getitems__``: each
+   storage object a batch touches read once) against a raw read of the same objects in the
+   same order (the same objects per batch, each once, plain reads). Goal: 0.8.
+
+Local disk, and with --s3 an S3-compatible server (moto's, on 127.0.0.1) for both. The store
+is synthetic (bf16 states of K layers x H; lengths like chat data): no engine is needed.
+
+    .venv/bin/python bench/bench_export.py [--samples 600] [--hidden 2048] [--rounds 3] [--s3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+K = 4
+
+
+class _NoiseEngine:
+    """bf16-range states from a seeded generator: an engine stand-in for a synthetic store."""
+
+    def __init__(self, hidden: int) -> None:
+        self.hidden = hidden
+
+    def extract(self, prompts: list[np.ndarray]) -> list[torch.Tensor]:
+        return [
+            torch.randn(
+                int(p.shape[0]), K, self.hidden, generator=torch.Generator().manual_seed(int(p[0]))
+            )
+            for p in prompts
+        ]
+
+
+def make_store(url: str, samples: int, hidden: int) -> None:
+    from hsx.extraction.chunk_extraction import RunContext, extract_chunk
+    from hsx.extraction.host_pipeline import HostPipeline
+    from hsx.plan.chunks import Plan, cut_chunks
+    from hsx.plan.token_spool import TokenSpool
+    from hsx.store.zarr_store import ExtractionStore
+    from settings import PipelineSettings
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(6.4, 0.8, samples), 32, 4096).astype(np.int32)  # median ~600
+    c = max(16, (16 << 20) // (K * hidden * 2))  # ~16 MiB objects, as hsx sizes them
+    chunks, starts, rows = cut_chunks(
+        lengths, np.arange(samples) * 10, np.arange(samples) + 1, c, 64 * c
+    )
+    spool = TokenSpool()
+    for n in lengths.tolist():
+        spool.append(
+            rng.integers(1, 30000, n).astype(np.int32), (np.arange(n) % 3 > 0).astype(np.uint8)
+        )
+    plan = Plan(
+        {"bench": "export", "rows_per_chunk": c}, lengths, starts, chunks, rows, c, tokens=spool
+    )
+    meta = {
+        "num_layers_captured": K,
+        "hidden_size": hidden,
+        "logical_dtype": "bfloat16",
+        "layer_ids": [2, 16, 29, 32],
+        "model": {"num_hidden_layers": 32, "path": "none", "config_hash": "bench"},
+    }
+    store = ExtractionStore.open_or_create(url, plan, meta)
+    with HostPipeline(PipelineSettings(), queue_limit=1 << 20) as host:
+        for chunk in plan.chunks:
+            extract_chunk(host, store, chunk, _NoiseEngine(hidden), 8192, RunContext("bench"))
+    plan.close()
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    from hsx.store.zarr_store import fs_and_root
+
+    return fs_and_root(url)
+
+
+def export_pass(store: str, out: str, writers: int) -> tuple[float, int, list[int]]:
+    """hsx's export (modelopt format: no model needed); seconds, bytes, file sizes."""
+    from hsx.trainers.export import Exporter, plan_export
+
+    plan = plan_export(store, out, "modelopt", unit_samples=8)  # units for every writer
+    exporter = Exporter(plan)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(exporter.export_unit, range(len(plan.units))))
+    manifest = exporter.finish()
+    seconds = time.perf_counter() - started
+    sizes = [int(entry["bytes"]) for entry in manifest["files"].values()]
+    return seconds, sum(sizes), sizes
+
+
+def raw_write_pass(out: str, sizes: list[int], writers: int) -> float:
+    """The same number of files of the same sizes, plain writes (no serialization, no hash)."""
+    fs, root = _fs(out)
+    payloads = {size: os.urandom(size) for size in set(sizes)}
+    fs.makedirs(f"{root}/raw", exist_ok=True)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(writers) as pool:
+        list(
+            pool.map(
+                lambda item: fs.pipe_file(f"{root}/raw/{item[0]:09d}", payloads[item[1]]),
+                enumerate(sizes),
+            )
+        )
+    return time.perf_counter() - started
+
+
+def read_pass(store: str, batches: list[list[int]]) -> tuple[float, int]:
+    """hsx's dataset in shuffled batches: seconds, bytes of states delivered."""
+    from hsx.trainers.datasets import SpeculatorsDataset
+
+    dataset = SpeculatorsDataset(store)
+    started = time.perf_counter()
+    nbytes = 0
+    for batch in batches:
+        for item in dataset.__getitems__(batch):
+            nbytes += item["hidden_states"].nbytes + item["verifier_last_hidden_states"].nbytes
+    return time.perf_counter() - started, nbytes
+
+
+def raw_read_pass(store: str, batches: list[list[int]]) -> tuple[float, int]:
+    """The same hidden-state objects per batch, each once, in the same order: plain reads."""
+    from hsx.store.reader import HiddenStatesReader
+
+    reader = HiddenStatesReader(store)
+    starts, lengths = reader.store.sample_rows(0, reader.num_samples)
+    c = reader.store.rows_per_chunk
+    fs, root = _fs(store)
+    paths = []
+    for batch in batches:
+        samples = [int(reader.available_samples[p]) for p in batch]
+        objects = sorted(
+            {
+                o
+                for s in samples
+                for o in range(int(starts[s]) // c, -(-int(starts[s] + lengths[s]) // c))
+            }
+        )
+        paths.append([f"{root}/hidden_states/c.{o}.0.0" for o in objects])
+    started = time.perf_counter()
+    nbytes = 0
+    for group in paths:
+        for path in group:
+            nbytes += len(fs.cat_file(path))
+    return time.perf_counter() - started, nbytes
+
+
+def drop_caches() -> None:
+    os.sync()
+    with contextlib.suppress(OSError):  # root only: cold reads on both sides
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def start_moto() -> subprocess.Popen[bytes]:
+    import fsspec
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.1)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    fsspec.config.conf["s3"] = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "k",
+        "secret": "s",
+    }
+    fsspec.filesystem("s3").mkdir("bench")
+    return server
+
+
+def bench(where: str, base: str, args: argparse.Namespace) -> None:
+    store = f"{base}/store.zarr"
+    started = time.perf_counter()
+    make_store(store, args.samples, args.hidden)
+    print(
+        f"[{where}] store of {args.samples} samples (K={K}, H={args.hidden}, bf16) in {time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
+    ratios, read_ratios = [], []
+    rng = np.random.default_rng(1)
+    for round_index in range(args.rounds):
+        out = f"{base}/export-{round_index}"
+        drop_caches()
+        seconds, nbytes, sizes = export_pass(store, out, args.writers)
+        drop_caches()
+        raw = raw_write_pass(out, sizes, args.writers)
+        ratios.append(raw / seconds)
+        print(
+            f"[{where}] export {nbytes / seconds / 1e9:.2f} GB/s, raw write {nbytes / raw / 1e9:.2f} GB/s: "
+            f"ratio {raw / seconds:.3f}",
+            flush=True,
+        )
+        order = rng.permutation(args.samples)
+        batches = [order[i : i + args.batch].tolist() for i in range(0, len(order), args.batch)]
+        drop_caches()
+        hsx_s, delivered = read_pass(store, batches)
+        drop_caches()
+        raw_s, raw_bytes = raw_read_pass(store, batches)
+        read_ratios.append(raw_s / hsx_s)
+        print(
+            f"[{where}] shuffled read {len(order) / hsx_s:,.0f} samples/s, {delivered / hsx_s / 1e9:.2f} GB/s of "
+            f"states; raw read of the same objects {raw_bytes / raw_s / 1e9:.2f} GB/s: ratio {raw_s / hsx_s:.3f}",
+            flush=True,
+        )
+        fs, root = _fs(out)
+        fs.rm(root, recursive=True)
+    print(
+        f"[{where}] median of {args.rounds}: export/raw write {statistics.median(ratios):.3f}, "
+        f"shuffled read/raw read {statistics.median(read_ratios):.3f} (goal 0.8)",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--s3", action="store_true", help="also on moto's S3 server")
+    args = parser.parse_args()
+    scratch = tempfile.mkdtemp(prefix="hsx-bench-export-", dir=os.environ.get("BENCH_DIR"))
+    try:
+        bench("local", scratch, args)
+        if args.s3:
+            server = start_moto()
+            try:
+                bench("s3", "s3://bench/run", args)
+            finally:
+                server.terminate()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

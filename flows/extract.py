@@ -9,7 +9,6 @@ store's commit records say what is done).
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 from uuid import UUID
 
@@ -17,12 +16,12 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.schemas.objects import State
 from prefect.exceptions import TerminationSignal
-from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.chunk_loop import ChunkLoop, ChunkTally, summarize
 from flows.reporting import (
     Progress,
     chunk_rows,
@@ -46,10 +45,6 @@ from tasks.extract import extract_chunk_task
 from tasks.plan import plan_task, resume_check_task
 from tasks.preflight import preflight_tasks
 from tasks.verify import verify_task
-
-# Stop early when this many chunks in a row failed after their retries: the cause is shared
-# (engine, storage), and each further attempt could cost a model load.
-MAX_CONSECUTIVE_FAILURES = 3
 
 
 class ExtractionIncompleteError(RuntimeError):
@@ -147,152 +142,76 @@ def _extract_planned(
     started: float,
 ) -> dict[str, Any] | State:
     settings = run.settings
-    logger = get_run_logger()
     stage.name = "extract"
     record_attempt(settings, attempt, "running", {"pending_chunks": plan["pending"]})
-    progress = Progress(len(plan["pending"]), f"{len(plan['pending'])} work chunks to extract")
+    pending: list[int] = plan["pending"]
+    progress = Progress(len(pending), f"{len(pending)} work chunks to extract")
     chunk_task = extract_chunk_task.with_options(
         retries=settings.run.retries,
         retry_delay_seconds=backoff(settings.run.retry_delay_seconds, settings.run.retries),
     )
-    failed: list[int] = []
-    errors: dict[int, str] = {}  # failed chunk -> its last error
-    results: dict[int, dict[str, Any]] = {}  # committed chunk -> what its task returned
-    abandoned: list[int] = []
-    skipped_samples = 0
-    extracted_tokens = 0
-    consecutive = 0
-    pending = plan["pending"]
-    in_flight: deque[tuple[int, PrefectFuture[dict[str, Any]]]] = deque()
-    queue = deque(pending)
-    done = 0
-    loop_started = time.perf_counter()
     # Enough chunk tasks at once that their batches fill the engine's queue while others write
-    # and commit (hsx.extraction.host_pipeline.chunks_in_flight): the engine never waits for a commit.
+    # and commit (hsx.extraction.host_pipeline.chunks_in_flight): the engine never waits.
     concurrency = run.concurrency(int(plan["tokens"]), int(plan["chunks"]))
-    logger.info("%d work chunks in flight at once", concurrency)
+    get_run_logger().info("%d work chunks in flight at once", concurrency)
+    loop = ChunkLoop(run, chunk_task, pending, concurrency, progress)
     try:
-        while queue or in_flight:
-            while (
-                queue
-                and len(in_flight) < concurrency
-                and consecutive < MAX_CONSECUTIVE_FAILURES
-                and not stop_requested()  # a stopped run starts nothing more
-            ):
-                chunk_index = queue.popleft()
-                in_flight.append((chunk_index, chunk_task.submit(run, chunk_index)))
-            if not in_flight:
-                break
-            chunk_index, future = in_flight[0]
-            future.wait()  # a TerminationSignal here leaves the chunk in in_flight
-            in_flight.popleft()
-            state = future.state
-            done += 1
-            if state.is_failed() or state.is_crashed():
-                if stop_requested():  # abandoned before its commit: not a failure of the chunk
-                    abandoned.append(chunk_index)
-                    continue
-                failed.append(chunk_index)
-                errors[chunk_index] = describe(future.result(raise_on_failure=False))
-                consecutive += 1
-                if consecutive >= MAX_CONSECUTIVE_FAILURES and queue:
-                    logger.error(
-                        "%d chunks in a row failed; not starting the %d remaining",
-                        consecutive,
-                        len(queue),
-                    )
-                continue
-            consecutive = 0
-            result = future.result()
-            results[chunk_index] = result
-            progress.update(done)
-            extracted_tokens += int(result["tokens"])
-            skipped_samples += int(result.get("samples_skipped", 0))
-            elapsed = time.perf_counter() - loop_started
-            logger.info(
-                "progress: %d/%d chunks, %d tokens, %.0f tokens/s, ETA %.0f s",
-                done,
-                len(pending),
-                extracted_tokens,
-                extracted_tokens / max(elapsed, 1e-9),
-                elapsed / done * (len(pending) - done),
-            )
+        loop.run_all()
     except TerminationSignal:
         # Prefect's SIGTERM bridge (the UI's or API's Cancel, a worker's stop) raised here: the
         # chunks in flight must abandon too, and the store must say the run was stopped.
         cancelled = run_is_cancelling()
         request_stop("cancelled from Prefect" if cancelled else "SIGTERM received")
-        # Chunks in flight reach a batch boundary (and abandon) or their commit within seconds;
-        # waiting for them makes the run record count what was committed.
         # (timeouts.stop_wait_s; the CLI's watchdog exits at 10 s in any case)
-        deadline = time.monotonic() + settings.timeouts.stop_wait_s
-        for chunk_index, future in in_flight:
-            future.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            if not future.state.is_completed():
-                abandoned.append(chunk_index)
-        in_flight.clear()
-        return stopped(settings, attempt, stage, failed, abandoned, list(queue), cancelled)
+        loop.abandon_in_flight(settings.timeouts.stop_wait_s)
+        tally = loop.tally
+        return stopped(
+            settings, attempt, stage, tally.failed, tally.abandoned, tally.not_started, cancelled
+        )
+    tally = loop.tally
     if stop_requested():
         # No verification: the user asked to stop within seconds; a re-run verifies everything.
-        return stopped(settings, attempt, stage, failed, abandoned, list(queue), False)
-    not_started = list(queue)
-    loop_seconds = time.perf_counter() - loop_started
-    progress.update(done, force=True)
+        return stopped(
+            settings, attempt, stage, tally.failed, tally.abandoned, tally.not_started, False
+        )
     stage.name = "verify"
-    verification = verify_task(
-        settings.store, repair=settings.run.repair, readers=settings.timeouts.verify_readers
-    )
-    repaired: list[int] = verification["repaired"]
-    if repaired:
+    readers = settings.timeouts.verify_readers
+    verification = verify_task(settings.store, repair=settings.run.repair, readers=readers)
+    if verification["repaired"]:
         # Corrupt chunks lost their commits: extract them again, then verify everything again.
-        redo = [(index, chunk_task.submit(run, index)) for index in repaired]
-        for index, future in redo:
-            future.wait()
-            if future.state.is_failed() or future.state.is_crashed():
-                failed.append(index)
-                errors[index] = describe(future.result(raise_on_failure=False))
-            else:
-                results[index] = future.result()
-                extracted_tokens += int(results[index]["tokens"])
-        verification = verify_task(settings.store, readers=settings.timeouts.verify_readers)
-    wall = time.perf_counter() - started
-    summary = {
-        "store": settings.store,
-        "samples": plan["samples"],
-        # Longer than data.max_length (data.on_overlength): the store lists each one.
-        "samples_truncated": plan.get("samples_truncated", 0),
-        "samples_left_out": plan.get("samples_left_out", 0),
-        "tokens": plan["tokens"],
-        "chunks": plan["chunks"],
-        "chunks_extracted_now": len(pending) + len(repaired) - len(failed) - len(not_started),
-        "chunks_repaired": repaired,
-        "chunks_failed": failed,
-        "chunk_errors": {str(index): errors[index] for index in failed},
-        "chunks_not_started": not_started,
-        "samples_skipped_now": skipped_samples,
-        "tokens_extracted_now": extracted_tokens,
-        # Tokens over the extraction phase (first chunk's start to last commit), as the progress
-        # lines count them; preflight and planning are in wall_seconds.
-        "extract_tokens_per_s": round(extracted_tokens / loop_seconds, 1)
-        if extracted_tokens
-        else 0.0,
-        "wall_seconds": round(wall, 2),
-        "verification": verification["summary"],
-        "verified": verification["ok"],
-    }
+        loop.redo(verification["repaired"])
+        verification = verify_task(settings.store, readers=readers)
+    summary = summarize(settings.store, plan, tally, verification, time.perf_counter() - started)
+    return _report_end(settings, attempt, stage, plan, tally, summary, verification)
+
+
+def _report_end(
+    settings: HsxSettings,
+    attempt: RunAttempt,
+    stage: _Stage,
+    plan: dict[str, Any],
+    tally: ChunkTally,
+    summary: dict[str, Any],
+    verification: dict[str, Any],
+) -> dict[str, Any]:
+    """The run's record in the store, its chunk table, summary row and artifact; raises when a
+    chunk failed, was not started or does not verify (Failed in the UI; a Retry redoes it)."""
+    logger = get_run_logger()
     record_error: HsxError | None = None
-    status = "completed" if verification["ok"] and not failed else "failed"
+    status = "completed" if verification["ok"] and not tally.failed else "failed"
     try:
         record_attempt(settings, attempt, status, {"summary": summary})
     except HsxError as exc:  # a full or read-only disk: the failed chunks must still be named
         record_error = exc
         logger.error("the run record could not be written: %r", exc, exc_info=True)
     stage.recorded = True
-    rows = chunk_rows(attempt.run_id, pending, results, errors, not_started)
+    rows = chunk_rows(attempt.run_id, tally.pending, tally.results, tally.errors, tally.not_started)
     chunk_table(
         rows,
-        f"attempt {attempt.attempt}: {len(results)} chunks committed, {len(failed)} failed",
+        f"attempt {attempt.attempt}: {len(tally.results)} chunks committed, "
+        f"{len(tally.failed)} failed",
     )
+    retried = sum(1 for r in rows if isinstance(r["attempts"], int) and r["attempts"] > 1)
     run_summary(
         attempt,
         settings,
@@ -300,11 +219,9 @@ def _extract_planned(
         {
             "chunks": plan["chunks"],
             "chunks_committed_now": summary["chunks_extracted_now"],
-            "chunks_failed": len(failed),
-            "chunks_retried": sum(
-                1 for r in rows if isinstance(r["attempts"], int) and r["attempts"] > 1
-            ),
-            "tokens_extracted_now": extracted_tokens,
+            "chunks_failed": len(tally.failed),
+            "chunks_retried": retried,
+            "tokens_extracted_now": tally.extracted_tokens,
             "extract_tokens_per_s": summary["extract_tokens_per_s"],
             "verification": verification["summary"],
         },
@@ -315,26 +232,33 @@ def _extract_planned(
         key="hsx-extract-summary",
         description=f"{summary['chunks_extracted_now']} chunks extracted, {verification['summary']}",
     )
-    if failed or not_started or not verification["ok"]:
-        listed = "".join(f"\n  chunk {index}: {errors[index]}" for index in failed[:20])
-        more = (
-            f"\n  ... and {len(failed) - 20} more (the run record lists all)"
-            if len(failed) > 20
-            else ""
-        )
-        unrecorded = (
-            f"\n  the store's run record could not be written: {record_error}"
-            if record_error is not None
-            else ""
-        )
-        raise ExtractionIncompleteError(
-            f"expected every work chunk committed and verified, found {len(failed)} failed, "
-            f"{len(not_started)} not started, and verification {verification['summary']}; "
-            f"re-run (or Retry in the UI) to redo only what is missing.{listed}{more}{unrecorded}"
-        )
+    if tally.failed or tally.not_started or not verification["ok"]:
+        raise ExtractionIncompleteError(_incomplete_message(tally, verification, record_error))
     if record_error is not None:
         raise record_error
     return summary
+
+
+def _incomplete_message(
+    tally: ChunkTally, verification: dict[str, Any], record_error: HsxError | None
+) -> str:
+    failed = tally.failed
+    listed = "".join(f"\n  chunk {index}: {tally.errors[index]}" for index in failed[:20])
+    more = (
+        f"\n  ... and {len(failed) - 20} more (the run record lists all)"
+        if len(failed) > 20
+        else ""
+    )
+    unrecorded = (
+        f"\n  the store's run record could not be written: {record_error}"
+        if record_error is not None
+        else ""
+    )
+    return (
+        f"expected every work chunk committed and verified, found {len(failed)} failed, "
+        f"{len(tally.not_started)} not started, and verification {verification['summary']}; "
+        f"re-run (or Retry in the UI) to redo only what is missing.{listed}{more}{unrecorded}"
+    )
 
 
 def stopped(

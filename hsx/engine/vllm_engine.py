@@ -329,8 +329,9 @@ class VllmHiddenStateEngine:
 
     @property
     def pending_requests(self) -> int:
-        """Prompts submitted whose states have not come back yet."""
-        return self._inbox.qsize() + self._rendezvous.pending()
+        """Work submitted whose states have not come back yet: batches queued for the driver,
+        requests in the engine, and computed requests whose rows are still on their way."""
+        return self._inbox.qsize() + len(self._waiting) + self._rendezvous.pending()
 
     def describe(self) -> dict[str, Any]:
         """Where this engine runs (the same process, or its child engine-core process)."""

@@ -4,22 +4,46 @@ the trainer's own reader's item: tests/integration/test_trainer_exports.py.)"""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from hsx.extraction.chunk_extraction import RunContext, extract_chunk
 from hsx.extraction.host_pipeline import HostPipeline
-from hsx.store.reader import HiddenStatesReader
 from hsx.store.zarr_store import ExtractionStore
 from hsx.trainers.datasets import LengthGroupedSampler, ModelOptDataset, SpeculatorsDataset
+from tests.conftest import REPO_ROOT
 from tests.unit.test_plan_store import StatesEngine, committed_store, make_plan, meta
 
 pytestmark = pytest.mark.timeout(180)
+
+
+# Run in a fresh interpreter: forking the test process, which may hold a vLLM CPU engine and its
+# bound threads from earlier tests, is what users must not do either; a trainer's process is new.
+_WORKERS = """
+import sys, torch
+from torch.utils.data import DataLoader
+from hsx.store.reader import HiddenStatesReader
+from hsx.trainers.datasets import SpeculatorsDataset
+url, context = sys.argv[1], sys.argv[2]
+dataset = SpeculatorsDataset(url)
+assert dataset._reader is not None  # open here; each worker opens its own
+loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context)
+reader = HiddenStatesReader(url)
+items = list(loader)
+assert len(items) == 4, len(items)
+for position, item in enumerate(items):
+    sample = reader.sample(int(dataset.samples[position]))
+    assert torch.equal(item["hidden_states"], sample.aux_hidden_states), position
+    assert torch.equal(item["verifier_last_hidden_states"], sample.target_hidden_states), position
+    assert torch.equal(item["input_ids"], sample.input_ids), position
+    assert item["lengths"].tolist() == [sample.input_ids.shape[0]], position
+print("WORKERS OK", len(items))
+"""
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -28,20 +52,14 @@ def test_items_in_workers_equal_the_reader(
 ) -> None:
     url = str(tmp_path / "store")
     committed_store(host, url)
-    dataset = SpeculatorsDataset(url)
-    assert len(dataset) == 4 and dataset._reader is not None
-    loader = DataLoader(
-        dataset, batch_size=None, num_workers=2, multiprocessing_context=context, shuffle=False
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKERS, url, context],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
-    reader = HiddenStatesReader(url)
-    items = list(loader)
-    assert len(items) == 4
-    for position, item in enumerate(items):
-        sample = reader.sample(int(dataset.samples[position]))
-        assert torch.equal(item["hidden_states"], sample.aux_hidden_states)
-        assert torch.equal(item["verifier_last_hidden_states"], sample.target_hidden_states)
-        assert torch.equal(item["input_ids"], sample.input_ids)
-        assert item["lengths"].tolist() == [sample.input_ids.shape[0]]
+    assert done.returncode == 0 and "WORKERS OK 4" in done.stdout, done.stdout + done.stderr
 
 
 def test_a_batch_reads_each_storage_object_once(host: HostPipeline, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import shutil
 import threading
 import time
@@ -391,6 +392,10 @@ class ServerEngine:
         return None
 
     def _fail(self, batch: _Batch, error: BaseException, dead: bool = False) -> None:
+        if self._closed:
+            # close() cut the request (its HTTP client went first): say so, not what the cut
+            # request saw, and do not take the server for dead.
+            error, dead = EngineError(f"client of server {self.url} closed ({error!r})"), False
         if dead and self._failure is None:
             self._failure = error
             logger.error("server %s: %r", self.url, error)
@@ -434,4 +439,20 @@ class ServerEngine:
                     if not future.done():
                         future.set_exception(closed)
         self._rendezvous.close()
-        shutil.rmtree(self._channel, ignore_errors=True)
+        _remove_channel(self._channel)
+
+
+def _remove_channel(channel: str, patience_s: float = 5.0) -> None:
+    """Remove a closed client's channel folder. The server may still be writing the spool
+    file of a request the client gave up on, so an rmtree can race with it ("directory not
+    empty"): try again until the folder is gone or ``patience_s`` has passed."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        shutil.rmtree(channel, ignore_errors=True)
+        if not os.path.lexists(channel) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if os.path.lexists(channel):
+        logger.warning(
+            "client channel %s could not be removed; the next process removes it", channel
+        )

@@ -104,9 +104,8 @@ class HiddenStatesReader:
         for index in indices:
             self._check_usable(index)
         ranges = [(int(self._starts[i]), int(self._starts[i] + self._lengths[i])) for i in indices]
-        ids = self.store.read_row_ranges("input_ids", ranges)
-        masks = self.store.read_row_ranges("loss_mask", ranges)
-        states = self.store.read_row_ranges("hidden_states", ranges)
+        rows = self.store.read_row_ranges(("input_ids", "loss_mask", "hidden_states"), ranges)
+        ids, masks, states = rows["input_ids"], rows["loss_mask"], rows["hidden_states"]
         return [
             Sample(
                 int(index),

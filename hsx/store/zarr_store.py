@@ -36,7 +36,7 @@ from hsx.store.storage_io import exists, storage_error, store_io, write_atomic
 
 SCHEMA_VERSION = 1
 HSX_ATTR = "hsx"
-_BATCH_READERS = 8  # objects of one batch read at once (read_row_ranges)
+_BATCH_READERS = 16  # objects of one batch read at once (read_row_ranges)
 COMMITS_DIR = "commits"
 RUNS_DIR = "runs"
 ROW_ARRAYS = ("input_ids", "loss_mask", "hidden_states")
@@ -382,31 +382,41 @@ class ExtractionStore:
             return self._read_objects(name, row_start, row_end, reuse)
         return np.asarray(self.array(name)[row_start:row_end])
 
-    def read_row_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
-        """Rows of each [start, end) range, every storage object they touch read once: the
-        samples of a shuffled training batch often share objects (one object holds many short
-        samples; a long one spans several), and reading per sample reads them again."""
+    def read_row_ranges(
+        self, names: Sequence[str], ranges: Sequence[tuple[int, int]]
+    ) -> dict[str, list[np.ndarray]]:
+        """Rows of each [start, end) range of each array in ``names``, every storage object
+        they touch read once: the samples of a shuffled training batch often share objects
+        (one object holds many short samples; a long one spans several), and reading per
+        sample reads them again. The objects of all arrays are read at once, so an object
+        store's latency is paid about once per batch, not once per array."""
         c = self.rows_per_chunk
-        if not self._raw_chunks.get(name, False):
-            return [np.asarray(self.array(name)[start:end]) for start, end in ranges]
-        needed = sorted({obj for start, end in ranges for obj in range(start // c, -(-end // c))})
+        objs = sorted({obj for start, end in ranges for obj in range(start // c, -(-end // c))})
+        raw = [name for name in names if self._raw_chunks.get(name, False)]
+        wanted = [(name, obj) for name in raw for obj in objs]
 
-        def read(obj: int) -> np.ndarray:
-            return self._read_objects(name, obj * c, (obj + 1) * c, None)
+        def read(key: tuple[str, int]) -> np.ndarray:
+            return self._read_objects(key[0], key[1] * c, (key[1] + 1) * c, None)
 
-        if len(needed) > 1:
-            # Concurrent reads: an object store's latency overlaps (a batch touches several).
-            with ThreadPoolExecutor(min(len(needed), _BATCH_READERS)) as pool:
-                objects = dict(zip(needed, pool.map(read, needed), strict=True))
+        if len(wanted) > 1:
+            with ThreadPoolExecutor(min(len(wanted), _BATCH_READERS)) as pool:
+                objects = dict(zip(wanted, pool.map(read, wanted), strict=True))
         else:
-            objects = {obj: read(obj) for obj in needed}
-        out = []
-        for start, end in ranges:
-            parts = [
-                objects[obj][max(start, obj * c) - obj * c : min(end, (obj + 1) * c) - obj * c]
-                for obj in range(start // c, -(-end // c))
-            ]
-            out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+            objects = {key: read(key) for key in wanted}
+        out: dict[str, list[np.ndarray]] = {}
+        for name in names:
+            if name not in raw:
+                out[name] = [np.asarray(self.array(name)[start:end]) for start, end in ranges]
+                continue
+            out[name] = []
+            for start, end in ranges:
+                parts = [
+                    objects[name, obj][
+                        max(start, obj * c) - obj * c : min(end, (obj + 1) * c) - obj * c
+                    ]
+                    for obj in range(start // c, -(-end // c))
+                ]
+                out[name].append(parts[0] if len(parts) == 1 else np.concatenate(parts))
         return out
 
     def _read_objects(

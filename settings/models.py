@@ -21,7 +21,7 @@ from pydantic_settings import (
 from settings.strict import StrictSection, refuse_unknown_keys, unknown_keys_message
 
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
-StoreDtype = Literal["auto", "float32", "bfloat16"]
+StoreDtype = Literal["auto", "float32", "bfloat16", "fp8_e4m3"]
 LayerConvention = Literal["vllm", "specforge"]
 
 
@@ -190,7 +190,9 @@ class CaptureSettings(StrictSection):
     store_dtype: StoreDtype = Field(
         "auto",
         description="Stored dtype of hidden states: 'auto' = the engine's dtype. bfloat16 is "
-        "stored as uint16 with a logical_dtype attribute (zarr has no bfloat16).",
+        "stored as uint16 with a logical_dtype attribute (zarr has no bfloat16). 'fp8_e4m3' "
+        "stores each state vector as fp8 with one float32 scale per token and layer "
+        "(hidden_scales): about half the bytes of bfloat16; readers return the engine's dtype.",
     )
     on_bad_states: Literal["fail", "skip", "off"] = Field(
         "fail",

@@ -78,7 +78,12 @@ class SampleScan:
 
     def add(self, block: np.ndarray, token_offset: int) -> None:
         """Scan rows ``[token_offset, token_offset + n)`` of the sample; ``block`` is
-        ``[n, K, H]`` in the store's physical dtype."""
+        ``[n, K, H]`` in the store's physical dtype, or an fp8 store's scales ``[n, K]``
+        float32 (each vector's max magnitude / 448: non-finite or zero exactly where the
+        vector was)."""
+        if block.ndim == 2 and block.dtype == np.float32:
+            self._record(~np.isfinite(block), block != 0, token_offset)
+            return
         if block.dtype not in _BITS:
             raise TypeError(f"states check: expected uint16 (bf16) or float32, found {block.dtype}")
         bits_dtype, mask, nonfinite_from = _BITS[block.dtype]
@@ -86,13 +91,15 @@ class SampleScan:
         magnitude = _SCRATCH.get(bits_dtype, bits.size).reshape(bits.shape)
         np.bitwise_and(bits, mask, out=magnitude)
         largest = magnitude.max(axis=-1)  # [n, K]
-        bad = largest >= nonfinite_from
+        self._record(largest >= nonfinite_from, largest != 0, token_offset)
+
+    def _record(self, bad: np.ndarray, nonzero: np.ndarray, token_offset: int) -> None:
+        """Count ``bad`` (non-finite) and zero (token, layer) positions, both ``[n, K]``."""
         if bad.any():
             self.nonfinite += int(bad.sum())
             if self.first_nonfinite is None:
                 token, layer = np.argwhere(bad)[0]
                 self.first_nonfinite = (token_offset + int(token), int(layer))
-        nonzero = largest != 0
         self.layer_nonzero |= nonzero.any(axis=0)
         if not nonzero.all():
             self.zero += int((~nonzero).sum())

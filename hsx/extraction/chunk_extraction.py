@@ -32,6 +32,8 @@ from hsx.extraction.host_pipeline import HiddenStateEngine, HostPipeline
 from hsx.interrupt import raise_if_stopped
 from hsx.plan.chunks import WorkChunk
 from hsx.store.checksums import ALGORITHM, digest, new_hasher, update_digest
+from hsx.store.fp8_states import ENCODING as FP8_ENCODING
+from hsx.store.fp8_states import SCALES_ARRAY, quantize
 from hsx.store.local_io import DIRECT_ALIGNMENT
 from hsx.store.zarr_store import CommitRecord, ExtractionStore
 
@@ -55,9 +57,17 @@ def to_stored(states: torch.Tensor, logical_dtype: str) -> np.ndarray:
     return states.to(getattr(torch, logical_dtype)).contiguous().numpy()
 
 
-# The arrays a work chunk writes; input_ids and loss_mask were written with the store's layout
-# (from the plan) and are only read and checksummed by the chunk.
-WRITTEN_ARRAYS = ("hidden_states",)
+def stored_parts(states: torch.Tensor, store: ExtractionStore) -> dict[str, np.ndarray]:
+    """One sample's states ``[tokens, K, H]`` as the arrays the store keeps: hidden_states in
+    its physical dtype, plus hidden_scales ``[tokens, K]`` in an fp8 store."""
+    if store.state_encoding == FP8_ENCODING:
+        q, scales = quantize(states)
+        return {"hidden_states": q.cpu().numpy(), SCALES_ARRAY: scales.cpu().numpy()}
+    return {"hidden_states": to_stored(states, store.logical_dtype)}
+
+
+# The work chunk writes the store's state arrays (store.state_arrays); input_ids and loss_mask
+# were written with the store's layout (from the plan) and are only read and checksummed.
 READ_ARRAYS = ("input_ids", "loss_mask")
 # Rows are copied and hashed in blocks of about this size: a block stays in the L2 cache (2 MiB
 # per core here, 1 MiB or more on current server CPUs) between the copy and the hash.
@@ -90,16 +100,18 @@ class ChunkWriter:
         # Samples whose states failed a check (bad_states="skip"): recorded in the commit.
         self.skipped: list[dict[str, Any]] = []
         self.rows = store.rows_per_chunk
-        self.logical_dtype = store.logical_dtype
+        self.written_arrays = store.state_arrays
+        # fp8: the checks read each vector's scale (its max magnitude), not the fp8 bits.
+        self.scan_array = SCALES_ARRAY if SCALES_ARRAY in self.written_arrays else "hidden_states"
         # Digests, one per Zarr chunk, in row order.
-        self._digests: dict[str, list[str]] = {name: [] for name in WRITTEN_ARRAYS}
+        self._digests: dict[str, list[str]] = {name: [] for name in self.written_arrays}
         self._staging = {
             name: self.host.staging.take(
                 (self.rows, *store.array(name).shape[1:]), store.array(name).dtype
             )
-            for name in WRITTEN_ARRAYS
+            for name in self.written_arrays
         }
-        self._hashers = {name: new_hasher() for name in WRITTEN_ARRAYS}
+        self._hashers = {name: new_hasher() for name in self.written_arrays}
         row_bytes = max(buffer[0].nbytes for buffer in self._staging.values())
         self._block_rows = max(1, _HASH_BLOCK_BYTES // max(row_bytes, 1))
         self._filled = 0
@@ -123,10 +135,10 @@ class ChunkWriter:
                 problem = str(rows)
                 part = self._zero_rows(sample.num_tokens)
             else:
-                part = to_stored(rows, self.logical_dtype)  # [tokens, K, H]
-                if part.shape[0] != sample.num_tokens:
+                part = stored_parts(rows, self.store)  # hidden_states [tokens, K, H], ...
+                if rows.shape[0] != sample.num_tokens:
                     problem = (
-                        f"captured {part.shape[0]} rows, expected {sample.num_tokens} as planned"
+                        f"captured {rows.shape[0]} rows, expected {sample.num_tokens} as planned"
                     )
                     part = self._zero_rows(sample.num_tokens)
             if problem is not None:
@@ -141,9 +153,12 @@ class ChunkWriter:
                 self._bad_sample(index, found)
             self._written_tokens += sample.num_tokens
 
-    def _zero_rows(self, tokens: int) -> np.ndarray:
-        array = self.store.array("hidden_states")
-        return np.zeros((tokens, *array.shape[1:]), dtype=array.dtype)
+    def _zero_rows(self, tokens: int) -> dict[str, np.ndarray]:
+        arrays = {name: self.store.array(name) for name in self.written_arrays}
+        return {
+            name: np.zeros((tokens, *array.shape[1:]), dtype=array.dtype)
+            for name, array in arrays.items()
+        }
 
     def _bad_sample(self, index: int, problem: str) -> None:
         """Fail the chunk naming the sample, or record it as skipped (bad_states="skip")."""
@@ -157,23 +172,25 @@ class ChunkWriter:
             sample=index,
         )
 
-    def _append_rows(self, part: np.ndarray, scan: SampleScan | None) -> None:
-        count, offset = part.shape[0], 0
+    def _append_rows(self, parts: dict[str, np.ndarray], scan: SampleScan | None) -> None:
+        """Append one sample's rows of every written array (same row count each)."""
+        count, offset = parts["hidden_states"].shape[0], 0
         while offset < count:
             if self._filled == 0 and count - offset >= self.rows:
-                whole = part[offset : offset + self.rows]
-                if self._writable_in_place(whole):
+                whole = {name: part[offset : offset + self.rows] for name, part in parts.items()}
+                if all(self._writable_in_place(rows) for rows in whole.values()):
                     if scan is not None:
-                        scan.add(whole, offset)
-                    self._submit_in_place({"hidden_states": whole})
+                        scan.add(whole[self.scan_array], offset)
+                    self._submit_in_place(whole)
                     offset += self.rows
                     continue
             take = min(count - offset, self.rows - self._filled, self._block_rows)
-            block = self._staging["hidden_states"][self._filled : self._filled + take]
-            block[...] = part[offset : offset + take]
-            if scan is not None:
-                scan.add(block, offset)  # still in cache
-            update_digest(self._hashers["hidden_states"], block)
+            for name, part in parts.items():
+                block = self._staging[name][self._filled : self._filled + take]
+                block[...] = part[offset : offset + take]
+                if scan is not None and name == self.scan_array:
+                    scan.add(block, offset)  # still in cache
+                update_digest(self._hashers[name], block)
             self._filled += take
             offset += take
             if self._filled == self.rows:

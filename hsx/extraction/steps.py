@@ -177,9 +177,9 @@ def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
     if free is None or Path(url.removeprefix("file://"), "zarr.json").exists():
         return  # remote (unknown) or resuming an existing store
     itemsize = 2 if meta["logical_dtype"] == "bfloat16" else 4
-    needed = plan.total_rows * (
-        int(meta["num_layers_captured"]) * int(meta["hidden_size"]) * itemsize + 5
-    )
+    k, h = int(meta["num_layers_captured"]), int(meta["hidden_size"])
+    per_row = k * (h + 4) if meta.get("state_encoding") == "fp8_e4m3" else k * h * itemsize
+    needed = plan.total_rows * (per_row + 5)
     folder, available = free
     if needed > available:
         raise StoreError(

@@ -54,11 +54,17 @@ def resolve_layer_ids(settings: HsxSettings, config: dict[str, Any]) -> tuple[in
 
 
 def logical_dtype(settings: HsxSettings, engine_dtype: str) -> str:
-    if settings.capture.store_dtype != "auto":
+    """The dtype readers return (an fp8 store dequantizes to it)."""
+    if settings.capture.store_dtype not in ("auto", "fp8_e4m3"):
         return settings.capture.store_dtype
     if engine_dtype == "float16":
         return "bfloat16"  # fp16 states are rare; keep one 2-byte type in stores
     return engine_dtype
+
+
+def state_encoding(settings: HsxSettings) -> str:
+    """How states are stored: 'plain' (the logical dtype) or 'fp8_e4m3' (with scales)."""
+    return "fp8_e4m3" if settings.capture.store_dtype == "fp8_e4m3" else "plain"
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -229,6 +235,8 @@ def _build_plan(
         "layer_ids": list(layer_ids),
         "logical_dtype": stored_dtype,
     }
+    if state_encoding(settings) != "plain":  # plain stores keep the plan hash they had
+        inputs["state_encoding"] = state_encoding(settings)
     logger.info(
         "plan: %d samples, %d tokens, %d work chunks of ~%d tokens",
         len(lengths),
@@ -273,6 +281,7 @@ def store_metadata(
         "hidden_size": int(text["hidden_size"]),
         "engine_dtype": engine_dtype,
         "logical_dtype": stored_dtype,
+        "state_encoding": state_encoding(settings),
         "compressor": settings.layout.compressor,
         "dataset": str(settings.dataset),
         "settings": json.loads(settings.model_dump_json()),

@@ -21,7 +21,7 @@ import xxhash
 
 from hsx.data.tokenization import fingerprint_dataset
 from hsx.errors import StoreError
-from hsx.plan.building import config_hash
+from hsx.plan.building import config_hash, state_encoding
 from settings import HsxSettings
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ FROZEN_INPUTS: dict[str, str] = {
     "chat_template_fingerprint": "the chat template",
     "engine_dtype": "engine.dtype",
     "logical_dtype": "capture.store_dtype",
+    "state_encoding": "capture.store_dtype",
 }
 
 
@@ -133,6 +134,7 @@ def frozen_inputs(
         "chat_template_fingerprint": chat_template_fingerprint(tokenizer),
         "engine_dtype": engine_dtype,
         "logical_dtype": stored_dtype,
+        "state_encoding": state_encoding(settings),
     }
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hsx.errors import StoreError
+from hsx.store.fp8_states import SCALES_ARRAY, dequantize
 from hsx.store.zarr_store import ExtractionStore
 
 
@@ -27,6 +28,9 @@ class Sample:
     loss_mask: torch.Tensor  # [tokens] bool: True on assistant tokens
     hidden_states: torch.Tensor  # [tokens, K, H] in the logical dtype (bfloat16 or float32)
     layer_ids: tuple[int, ...]
+    # fp8 stores read with dequantize=False: hidden_states is float8_e4m3fn and these are its
+    # scales [tokens, K] float32 (state = fp8 value * scale).
+    scales: torch.Tensor | None = None
 
     @property
     def aux_hidden_states(self) -> torch.Tensor:
@@ -43,8 +47,12 @@ class Sample:
 class HiddenStatesReader:
     """Random access to the committed samples of one store (a map-style torch Dataset)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, dequantize: bool = True) -> None:
+        """``dequantize=False`` on an fp8 store returns the stored fp8 states and their scales
+        (``Sample.scales``) instead of states in the logical dtype."""
         self.store = ExtractionStore.open(url, mode="r")
+        self.dequantize = dequantize
+        self._state_arrays = self.store.state_arrays
         meta = self.store.meta
         self.layer_ids = tuple(int(i) for i in meta["layer_ids"])
         self.hidden_size = int(meta["hidden_size"])
@@ -83,8 +91,8 @@ class HiddenStatesReader:
         end = start + length
         ids = torch.from_numpy(self.store.read_rows("input_ids", start, end).astype(np.int64))
         mask = torch.from_numpy(self.store.read_rows("loss_mask", start, end).astype(bool))
-        states = self._as_tensor(self.store.read_rows("hidden_states", start, end))
-        return Sample(index, ids, mask, states, self.layer_ids)
+        parts = {name: self.store.read_rows(name, start, end) for name in self._state_arrays}
+        return self._sample(index, ids, mask, parts)
 
     def _check_usable(self, index: int) -> None:
         if not 0 <= index < self.num_samples:
@@ -104,24 +112,37 @@ class HiddenStatesReader:
         for index in indices:
             self._check_usable(index)
         ranges = [(int(self._starts[i]), int(self._starts[i] + self._lengths[i])) for i in indices]
-        rows = self.store.read_row_ranges(("input_ids", "loss_mask", "hidden_states"), ranges)
-        ids, masks, states = rows["input_ids"], rows["loss_mask"], rows["hidden_states"]
+        rows = self.store.read_row_ranges(("input_ids", "loss_mask", *self._state_arrays), ranges)
         return [
-            Sample(
+            self._sample(
                 int(index),
-                torch.from_numpy(ids[n].astype(np.int64)),
-                torch.from_numpy(masks[n].astype(bool)),
-                self._as_tensor(states[n]),
-                self.layer_ids,
+                torch.from_numpy(rows["input_ids"][n].astype(np.int64)),
+                torch.from_numpy(rows["loss_mask"][n].astype(bool)),
+                {name: rows[name][n] for name in self._state_arrays},
             )
             for n, index in enumerate(indices)
         ]
 
+    def _sample(
+        self, index: int, ids: torch.Tensor, mask: torch.Tensor, parts: dict[str, np.ndarray]
+    ) -> Sample:
+        """A Sample from the stored rows of its state arrays (``hidden_states [tokens, K, H]``,
+        and ``hidden_scales [tokens, K]`` in an fp8 store)."""
+        raw = np.ascontiguousarray(parts["hidden_states"])
+        if SCALES_ARRAY not in parts:
+            return Sample(index, ids, mask, self._as_tensor(raw), self.layer_ids)
+        q = torch.from_numpy(raw)
+        scales = torch.from_numpy(np.ascontiguousarray(parts[SCALES_ARRAY]))
+        if not self.dequantize:
+            return Sample(index, ids, mask, q.view(torch.float8_e4m3fn), self.layer_ids, scales)
+        states = dequantize(q, scales, getattr(torch, self.logical_dtype))
+        return Sample(index, ids, mask, states, self.layer_ids)
+
     def _as_tensor(self, raw: np.ndarray) -> torch.Tensor:
         """[tokens, K, H] stored rows as a tensor of the logical dtype (bf16 stored as uint16)."""
         if self.logical_dtype == "bfloat16":
-            return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(np.ascontiguousarray(raw))
+            return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(raw)
 
     def __len__(self) -> int:
         return len(self._available)

@@ -14,7 +14,7 @@ from hsx.errors import StoreError
 from hsx.plan.chunks import WorkChunk
 from hsx.store.checksums import ALGORITHM, digest
 from hsx.store.layout_copy import metadata_problems
-from hsx.store.zarr_store import ROW_ARRAYS, CommitRecord, ExtractionStore
+from hsx.store.zarr_store import CommitRecord, ExtractionStore
 
 
 @dataclass
@@ -138,7 +138,7 @@ def _verify_chunk(
             )
         )
         return result
-    for name in ROW_ARRAYS:
+    for name in store.row_arrays:
         stored = list(record.checksums.get(name, []))
         objects = (chunk.row_end - chunk.row_start) // step
         if len(stored) != objects:

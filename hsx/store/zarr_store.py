@@ -5,6 +5,8 @@ Layout (DESIGN.md §4):
     input_ids       int32  [T]        chunks (C,)
     loss_mask       uint8  [T]        chunks (C,)
     hidden_states   f32|u16 [T, K, H] chunks (C, K, H); bf16 stored as uint16 + logical_dtype
+                    (u8 with state_encoding fp8_e4m3: fp8 bits, hsx.store.fp8_states)
+    hidden_scales   f32    [T, K]     chunks (C, K); fp8 stores only: one scale per token, layer
     sample_starts   int64  [N]        row of sample i's first token
     sample_lengths  int32  [N]        rows of sample i (rows between samples are padding)
     commits/chunk-NNNNNN.json         written last, atomically: a chunk without one does not exist
@@ -31,6 +33,8 @@ from fsspec.implementations.local import LocalFileSystem
 from hsx.errors import CorruptRecordError, StoreError
 from hsx.plan.chunks import Plan, WorkChunk
 from hsx.store.checksums import digest
+from hsx.store.fp8_states import ENCODING as FP8_ENCODING
+from hsx.store.fp8_states import SCALES_ARRAY
 from hsx.store.layout_copy import write_layout_copy
 from hsx.store.storage_io import exists, storage_error, store_io, write_atomic
 
@@ -39,7 +43,7 @@ HSX_ATTR = "hsx"
 _BATCH_READERS = 16  # objects of one batch read at once (read_row_ranges)
 COMMITS_DIR = "commits"
 RUNS_DIR = "runs"
-ROW_ARRAYS = ("input_ids", "loss_mask", "hidden_states")
+ROW_ARRAYS = ("input_ids", "loss_mask", "hidden_states", SCALES_ARRAY)  # those a store has
 
 
 @dataclass
@@ -186,7 +190,9 @@ class ExtractionStore:
         group = zarr.open_group(url, mode="w")  # type: ignore[arg-type]
         rows, c = plan.total_rows, plan.rows_per_chunk
         k, h = int(meta["num_layers_captured"]), int(meta["hidden_size"])
+        fp8 = meta.get("state_encoding") == FP8_ENCODING
         stored_dtype = "uint16" if meta["logical_dtype"] == "bfloat16" else meta["logical_dtype"]
+        stored_dtype = "uint8" if fp8 else stored_dtype
         # "c.I.0.0" keys: all chunk objects of an array in one folder. Zarr's default "c/I/0/0"
         # makes two directories per chunk on local disks (measured: mkdir cost more than the write).
         keys: Any = {"name": "default", "separator": "."}
@@ -225,6 +231,18 @@ class ExtractionStore:
         )
         hidden.attrs["logical_dtype"] = meta["logical_dtype"]
         hidden.attrs["layer_ids"] = list(meta["layer_ids"])
+        if fp8:
+            hidden.attrs["state_encoding"] = FP8_ENCODING
+            group.create_array(
+                SCALES_ARRAY,
+                shape=(rows, k),
+                chunks=(c, k),
+                dtype="float32",
+                compressors=None,
+                chunk_key_encoding=keys,
+                fill_value=0,
+                dimension_names=("token", "layer"),
+            )
         n = max(plan.num_samples, 1)
         group.create_array(
             "sample_starts", shape=(plan.num_samples,), chunks=(n,), dtype="int64", compressors=None
@@ -322,6 +340,22 @@ class ExtractionStore:
     @property
     def logical_dtype(self) -> str:
         return str(self.meta["logical_dtype"])
+
+    @property
+    def state_encoding(self) -> str:
+        """'plain' (states in the logical dtype) or 'fp8_e4m3' (uint8 bits plus scales)."""
+        return str(self.meta.get("state_encoding", "plain"))
+
+    @property
+    def state_arrays(self) -> tuple[str, ...]:
+        """The arrays a work chunk writes."""
+        fp8 = self.state_encoding == FP8_ENCODING
+        return ("hidden_states", SCALES_ARRAY) if fp8 else ("hidden_states",)
+
+    @property
+    def row_arrays(self) -> tuple[str, ...]:
+        """Every array of one row per token, as commit records checksum them."""
+        return ("input_ids", "loss_mask", *self.state_arrays)
 
     def array(self, name: str) -> zarr.Array:
         cached = self._arrays.get(name)

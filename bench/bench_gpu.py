@@ -239,10 +239,11 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
         for spec in args.stores.split(","):
             # "disk" or "disk:io_threads=16:write_budget_mib=8192": pipeline settings per pass;
             # "shm:on_bad_states=off": the captured-state checks off (their cost, measured).
+            # "shm:store_dtype=fp8_e4m3": fp8 states (capture settings go to settings.capture).
             where, *tunables = spec.split(":")
-            checks = [t for t in tunables if t.startswith("on_bad_states=")]
+            checks = [t for t in tunables if t.startswith(("on_bad_states=", "store_dtype="))]
             tunables = [t for t in tunables if t not in checks]
-            folder = locations[where]
+            folder = locations[where] / spec.replace(":", "-").replace("=", "-")
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             url = str(folder / "run.zarr")
@@ -253,9 +254,9 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
                     update={"pipeline": settings.pipeline.model_copy(update=pipeline)}
                 )
             if checks:
-                mode = checks[0].split("=", 1)[1]
+                capture = dict(t.split("=", 1) for t in checks)
                 settings = settings.model_copy(
-                    update={"capture": settings.capture.model_copy(update={"on_bad_states": mode})}
+                    update={"capture": settings.capture.model_copy(update=capture)}
                 )
             # The engine process sends its totals since it started: keep them to subtract.
             engine_before = {k: v for k, v in timings.snapshot().items() if k.startswith("engine:")}
@@ -290,6 +291,7 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
                     "tokens_per_s": tokens / seconds,
                     "extract_tokens_per_s": tokens / (seconds - plan_s),
                     "bytes": nbytes,
+                    "bytes_per_token": nbytes / max(tokens, 1),
                     "store_gb_per_s": nbytes / seconds / 1e9,
                     "verify_ok": report.ok,
                     "verify_gb_per_s": nbytes / verify_s / 1e9,
@@ -299,11 +301,55 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
                 }
             )
             print(json.dumps({"progress": passes[-1]}), file=sys.stderr, flush=True)
-            shutil.rmtree(folder, ignore_errors=True)
+            if where != "shm":  # /dev/shm stores stay for the fp8 comparison below
+                shutil.rmtree(folder, ignore_errors=True)
     finally:
         close_all_engines()
     side = "hsx-in-process" if in_process else "hsx-child-process"
-    return {"side": side, "load_seconds": load, "passes": passes}
+    stores = {
+        p["store"]: str(
+            locations["shm"] / p["store"].replace(":", "-").replace("=", "-") / "run.zarr"
+        )
+        for p in passes
+    }
+    fp8_error = fp8_against_plain(stores.get("shm"), stores.get("shm:store_dtype=fp8_e4m3"))
+    shutil.rmtree(locations["shm"], ignore_errors=True)
+    return {"side": side, "load_seconds": load, "passes": passes, "fp8_error": fp8_error}
+
+
+def fp8_against_plain(
+    plain_url: str | None, fp8_url: str | None, samples: int = 64
+) -> list[dict[str, float]] | None:
+    """Per captured layer, the error of the fp8 store against the plain (bf16) store of the
+    same run on its first ``samples`` samples: max and mean of |fp8 - bf16| / max|bf16| per
+    state vector, and the max and mean of the element-wise |fp8 - bf16| / |bf16|-weighted
+    (relative L2 per vector)."""
+    if not plain_url or not fp8_url or not Path(fp8_url).exists() or not Path(plain_url).exists():
+        return None
+    import torch
+
+    from hsx.store.reader import HiddenStatesReader
+
+    plain, fp8 = HiddenStatesReader(plain_url), HiddenStatesReader(fp8_url)
+    chosen = plain.available_samples[:samples].tolist()
+    per_vector: list[torch.Tensor] = []  # [tokens, K] each
+    l2: list[torch.Tensor] = []
+    for a, b in zip(plain.samples(chosen), fp8.samples(chosen), strict=True):
+        x, y = a.hidden_states.float(), b.hidden_states.float()  # [tokens, K, H]
+        diff = (y - x).abs()
+        per_vector.append(diff.amax(-1) / x.abs().amax(-1).clamp_min(1e-30))
+        l2.append(diff.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30))
+    vec, rel = torch.cat(per_vector), torch.cat(l2)  # [tokens, K]
+    return [
+        {
+            "layer_id": int(layer),
+            "max_rel_to_vector_max": float(vec[:, k].max()),
+            "mean_rel_to_vector_max": float(vec[:, k].mean()),
+            "max_rel_l2": float(rel[:, k].max()),
+            "mean_rel_l2": float(rel[:, k].mean()),
+        }
+        for k, layer in enumerate(plain.layer_ids)
+    ]
 
 
 def raw_write(folder: Path, total: int, threads: int, object_bytes: int = 16 << 20) -> float:
@@ -370,13 +416,13 @@ def report(results: list[dict[str, Any]], raw_write_gbs: float | None) -> None:
     plain = next((r for r in results if r["side"] == "plain" and "passes" in r), None)
     best_plain = max((p["tokens_per_s"] for p in plain["passes"]), default=0.0) if plain else 0.0
     print(
-        "\n| side | store | tokens | tokens/s | vs plain | store GB/s | verify GB/s | raw read GB/s |"
+        "\n| side | store | tokens | tokens/s | vs plain | store GB/s | bytes/token | verify GB/s | raw read GB/s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     if plain:
         for p in plain["passes"]:
             print(
-                f"| plain | - | {p['tokens']:,} | {p['tokens_per_s']:,.0f} (generate {p['generate_tokens_per_s']:,.0f}) | 1 | - | - | - |"
+                f"| plain | - | {p['tokens']:,} | {p['tokens_per_s']:,.0f} (generate {p['generate_tokens_per_s']:,.0f}) | 1 | - | - | - | - |"
             )
     for r in results:
         if "error" in r:
@@ -392,10 +438,22 @@ def report(results: list[dict[str, Any]], raw_write_gbs: float | None) -> None:
             ratio = p["tokens_per_s"] / best_plain if best_plain else float("nan")
             print(
                 f"| {r['side']} | {p['store']} | {p['tokens']:,} | {p['tokens_per_s']:,.0f} | {ratio:.3f} | "
-                f"{p['store_gb_per_s']:.2f} | {p['verify_gb_per_s']:.2f} | {p['raw_read_gb_per_s']:.2f} |"
+                f"{p['store_gb_per_s']:.2f} | {p['bytes_per_token']:,.0f} | {p['verify_gb_per_s']:.2f} | "
+                f"{p['raw_read_gb_per_s']:.2f} |"
             )
     if raw_write_gbs is not None:
         print(f"\nraw O_DIRECT write of the disk, hsx's concurrency: {raw_write_gbs:.2f} GB/s")
+    for r in results:
+        if r.get("fp8_error"):
+            print(
+                f"\nfp8 against the bf16 states of the same run ({r['side']}, per captured layer):"
+            )
+            for e in r["fp8_error"]:
+                print(
+                    f"- layer {e['layer_id']}: |d|/max|x| per vector max {e['max_rel_to_vector_max']:.4f} "
+                    f"mean {e['mean_rel_to_vector_max']:.4f}; relative L2 per vector max "
+                    f"{e['max_rel_l2']:.4f} mean {e['mean_rel_l2']:.4f}"
+                )
     print("\nwhere hsx's time goes (seconds summed over threads; bytes):")
     for r in results:
         for p in r.get("passes", []):

@@ -49,7 +49,7 @@ def settings_for(args: argparse.Namespace, store: str, in_process: bool) -> Any:
     else:
         engine |= {
             "max_model_len": 4096,
-            "kv_cache_memory_gib": 40,
+            "kv_cache_memory_gib": args.kv_cache_gib,
             "max_num_batched_tokens": 16384,
             "batch_tokens": 65536,
             "load_format": "dummy",
@@ -387,7 +387,12 @@ def prepare(args: argparse.Namespace, work: Path) -> None:
     else:
         model = work / "model"
         model.mkdir(parents=True, exist_ok=True)
-        shutil.copy(Path(args.config) / "config.json", model / "config.json")
+        config = json.loads((Path(args.config) / "config.json").read_text())
+        # "num_hidden_layers=8,n_routed_experts=64": a shape that fits one card.
+        for item in filter(None, args.config_override.split(",")):
+            key, value = item.split("=", 1)
+            config[key] = json.loads(value)
+        (model / "config.json").write_text(json.dumps(config, indent=1))
         train_tokenizer(model)  # ids < its vocabulary, a subset of the model's
         args.model_dir = str(model)
     args.dataset = str(
@@ -397,7 +402,15 @@ def prepare(args: argparse.Namespace, work: Path) -> None:
 
 def run_side(args: argparse.Namespace, side: str) -> dict[str, Any]:
     command = [sys.executable, __file__, "--side", side]
-    for key in ("conversations", "disk_dir", "model_dir", "dataset", "passes", "stores"):
+    for key in (
+        "conversations",
+        "disk_dir",
+        "model_dir",
+        "dataset",
+        "passes",
+        "stores",
+        "kv_cache_gib",
+    ):
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     command += ["--tiny"] if args.tiny else []
     started = time.perf_counter()
@@ -489,6 +502,8 @@ def main() -> None:
     )
     parser.add_argument("--conversations", type=int, default=800)
     parser.add_argument("--config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b"))
+    parser.add_argument("--config-override", default="", help="key=json,... into config.json")
+    parser.add_argument("--kv-cache-gib", type=float, default=40)
     parser.add_argument("--disk-dir", default="/var/tmp/hsx-bench")
     parser.add_argument("--sides", default="plain,inproc,child")
     parser.add_argument("--stores", default="shm,disk")

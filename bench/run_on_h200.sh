@@ -2,6 +2,7 @@
 # What one `device` call runs on the lent H200, once the three parts of ../shared/gpu's pack
 # (vLLM 0.26) are in /tmp/parts: unpack, preflight + HF parity on the GPU, the GPU benchmark.
 #   CONV=400 SIDES=plain,inproc,child STORES=shm,disk bash bench/run_on_h200.sh
+#   CONFIG=tests/fixtures/configs/deepseek-v3 OVERRIDE=num_hidden_layers=8,n_routed_experts=64 KV=16 ...
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 if [ ! -d /tmp/site/vllm ]; then
@@ -15,4 +16,5 @@ if [ "${PARITY:-1}" = 1 ]; then
 fi
 timeout "${BENCH_TIMEOUT:-480}" python3 bench/bench_gpu.py --conversations "${CONV:-400}" \
   --sides "${SIDES:-plain,inproc,child}" --stores "${STORES:-shm,disk}" --side-timeout "${SIDE_TIMEOUT:-200}" \
+  --config "${CONFIG:-tests/fixtures/configs/llama-3.1-8b}" --config-override "${OVERRIDE:-}" --kv-cache-gib "${KV:-40}" \
   2>&1 | tee "$out/bench.log" | grep -v "^RESULTS" | grep -v -i "warn" | tail -80

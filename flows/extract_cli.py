@@ -153,7 +153,8 @@ def extract(
         str | None, typer.Option(help="Engine dtype: auto, float32, bfloat16.")
     ] = None,
     store_dtype: Annotated[
-        str | None, typer.Option(help="Stored dtype: auto, float32, bfloat16.")
+        str | None,
+        typer.Option(help="Stored dtype: auto, float32, bfloat16, fp8_e4m3 (with scales)."),
     ] = None,
     max_length: Annotated[
         int | None, typer.Option(help="Truncate samples to this many tokens.")

@@ -29,16 +29,24 @@ _BLOCK_TOKENS = 256  # tokens quantized at a time: the float32 temporaries stay 
 
 def quantize(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``states [tokens, K, H]`` (any float dtype, any device) -> ``(q [tokens, K, H] uint8,
-    scales [tokens, K] float32)`` on the same device."""
+    scales [tokens, K] float32)`` on the same device. Two passes over the states: the max
+    magnitude (exact in any dtype: no arithmetic), then one multiply into float32 and the
+    cast (on the CPU, the float32 temporaries of a division and a clamp cost two more passes
+    at GPU rates of states)."""
     tokens = states.shape[0]
     q = torch.empty(states.shape, dtype=torch.uint8, device=states.device)
     scales = torch.empty(states.shape[:-1], dtype=torch.float32, device=states.device)
+    scaled: torch.Tensor | None = None
     for first in range(0, tokens, _BLOCK_TOKENS):
-        block = states[first : first + _BLOCK_TOKENS].to(torch.float32)  # [n, K, H]
-        amax = block.abs().amax(dim=-1)  # [n, K]; NaN/inf where the vector has one
-        scale = amax / FP8_MAX
-        usable = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
-        scaled = (block / usable.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+        block = states[first : first + _BLOCK_TOKENS]  # [n, K, H]
+        amax = block.abs().amax(dim=-1).to(torch.float32)  # [n, K]: 4x vector_norm's speed here
+        scale = amax / FP8_MAX  # [n, K]; NaN/inf where the vector has one, 0 where all zero
+        usable = torch.isfinite(scale) & (scale > 0)
+        inverse = torch.where(usable, FP8_MAX / amax, torch.ones_like(amax))
+        if scaled is None or scaled.shape != block.shape:
+            scaled = torch.empty(block.shape, dtype=torch.float32, device=states.device)
+        # |block * inverse| <= 448 * (1 + 2**-22): below 464, where e4m3 would overflow.
+        torch.mul(block, inverse.unsqueeze(-1), out=scaled)
         q[first : first + _BLOCK_TOKENS] = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
         scales[first : first + _BLOCK_TOKENS] = scale
     return q, scales

@@ -434,3 +434,50 @@ def test_a_dataset_on_s3_plans_as_its_local_copy(
     assert before == fingerprint_dataset(local)  # the same bytes, wherever they are
     s3.pipe(f"{BUCKET}/data/rows.jsonl", local.read_bytes() + b"\n")
     assert fingerprint_dataset(f"s3://{BUCKET}/data/rows.jsonl") != before
+
+
+def test_an_export_to_s3_survives_throttling_verifies_and_reads_back(
+    s3_proxy: FaultProxy, local_reference: str, prefect_harness: None
+) -> None:
+    """`hsx export --out s3://...`: the ModelOpt files written through a throttling endpoint,
+    the manifest verifies there, each file read back from S3 holds the reader's tensors, and
+    a flipped byte in one object is found."""
+    import io
+
+    import torch
+
+    from flows.export import export_flow
+    from hsx.store.reader import HiddenStatesReader
+    from hsx.trainers.export import verify_export
+
+    out = f"s3://{BUCKET}/export-modelopt"
+    s3_proxy.arm(period=7, kinds=("slowdown", "drop"), limit=12)
+    try:
+        summary = export_flow(local_reference, out, "modelopt", writers=3)  # type: ignore[arg-type]
+    finally:
+        injected = dict(s3_proxy.injected)
+        s3_proxy.clear()
+    assert injected.get("slowdown", 0) + injected.get("drop", 0) >= 6, injected
+    assert summary["verification"].startswith("OK"), summary
+    reader = HiddenStatesReader(local_reference)
+    assert summary["samples"] == len(reader.available_samples) == 60
+    s3 = fsspec.filesystem("s3")
+    files = sorted(json.loads(s3.cat_file(f"{BUCKET}/export-modelopt/hsx-export.json"))["files"])
+    seen = 0
+    for relative in files:
+        if not relative.endswith(".pt"):
+            continue
+        item = torch.load(io.BytesIO(s3.cat_file(f"{BUCKET}/export-modelopt/{relative}")))
+        sample = reader.sample(int(item["conversation_id"]))
+        assert torch.equal(item["input_ids"], sample.input_ids)
+        assert torch.equal(item["hidden_states"], sample.target_hidden_states)
+        assert torch.equal(item["aux_hidden_states"], sample.aux_hidden_states)
+        seen += 1
+    assert seen == 60
+    victim = next(relative for relative in files if relative.endswith(".pt"))
+    data = bytearray(s3.cat_file(f"{BUCKET}/export-modelopt/{victim}"))
+    data[len(data) // 2] ^= 0x01
+    s3.pipe_file(f"{BUCKET}/export-modelopt/{victim}", bytes(data))
+    report = verify_export(out)
+    assert not report.ok and len(report.mismatched) == 1, report
+    assert report.mismatched[0].startswith(f"{victim}: expected"), report

@@ -167,8 +167,11 @@ def info(
         )
         return
     model = meta["model"]
+    stored = meta["logical_dtype"]
+    if meta.get("state_encoding", "plain") != "plain":
+        stored = f"{meta['state_encoding']} (read as {stored})"
     console.print(
-        f"[bold]{store_url}[/]: {model['architectures']} ({model['num_hidden_layers']} layers, hidden {model['hidden_size']}), layers {meta['layer_ids']} ({meta['layer_convention']}), {meta['logical_dtype']}"
+        f"[bold]{store_url}[/]: {model['architectures']} ({model['num_hidden_layers']} layers, hidden {model['hidden_size']}), layers {meta['layer_ids']} ({meta['layer_convention']}), {stored}"
     )
     console.print(
         f"{meta['num_samples']} samples, {meta['total_tokens']} tokens, {len(commits)}/{len(meta['work_chunks'])} chunks committed; code {meta['code_version']}"

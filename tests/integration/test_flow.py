@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from hsx.store.zarr_store import ExtractionStore
@@ -124,6 +125,7 @@ def test_flow_end_to_end_then_nothing_twice(
         name: store.read_rows(name, 0, store.work_chunks[-1].row_end)
         for name in ("input_ids", "loss_mask")
     }
+    states_before = store.read_rows("hidden_states", 0, store.work_chunks[3].row_end)
     victim = sorted((tmp_path / "flow.zarr" / "loss_mask").glob("c.*"))[0]
     victim.write_bytes(bytes([victim.read_bytes()[0] ^ 1]) + victim.read_bytes()[1:])
     bad = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
@@ -175,6 +177,10 @@ def test_flow_end_to_end_then_nothing_twice(
         assert store.read_commit(index) == commits[index]  # the others were not extracted again
     after = {name: store.read_rows(name, 0, store.work_chunks[-1].row_end) for name in before}
     assert all((after[name] == before[name]).all() for name in before)  # token rows restored
+    # The re-extracted chunks hold the states they held (fp32: the engine's run-to-run spread).
+    states_after = store.read_rows("hidden_states", 0, store.work_chunks[3].row_end)
+    assert states_after.shape == states_before.shape
+    assert float(np.abs(states_after - states_before).max()) <= 1e-5
     again = subprocess.run(verify, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert any(r["status"] == "repaired" for r in store.run_records())

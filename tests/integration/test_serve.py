@@ -10,6 +10,7 @@ run under a real Prefect engine in this process, which builds no engine of its o
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -626,6 +627,59 @@ def test_a_closed_client_fails_its_unanswered_batches_at_once(
     assert all(isinstance(e, EngineError) for e in errors), errors
     assert f"client of server {llama_server.url} closed" in str(errors[0])
     assert not channel.exists()
+
+
+def test_serve_stopped_during_the_model_load_exits_and_leaves_nothing(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A SIGTERM while vLLM is still loading the model (systemd stopping a unit that never got
+    ready): hsx serve says so, stops the server's whole process group, removes its state file,
+    and exits within the grace; no engine process is left."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    from tests.cli import HSX
+    from tests.conftest import REPO_ROOT
+
+    state = tmp_path / "state"
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "HSX_SERVER__STATE_DIR": str(state)}
+    with log_path.open("wb") as log:
+        serve = subprocess.Popen(
+            [*HSX, "serve", str(tiny_llama), "--port", str(free_port()), *TEST_ENGINE],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        server_pid = None
+        while server_pid is None and time.monotonic() < deadline:
+            for info in state.glob("server-*.json"):
+                server_pid = json.loads(info.read_text() or "{}").get("server_pid")
+            assert serve.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        assert server_pid is not None, log_path.read_text()[-3000:]
+        family = [psutil.Process(server_pid)]
+        time.sleep(1.0)  # vLLM has started its engine core: the load is under way
+        family += psutil.Process(server_pid).children(recursive=True)
+        assert READY not in log_path.read_text(), "expected the SIGTERM to come during the load"
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    output = log_path.read_text()
+    assert "hsx serve: SIGTERM: stopping the server" in output, output[-3000:]
+    assert READY not in output
+    assert code in (0, 143), (code, output[-3000:])
+    time.sleep(0.5)
+    alive = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes of the server left running: {alive}"
+    assert not list(state.glob("server-*.json"))
 
 
 def test_serve_stops_cleanly_on_sigterm_and_says_so(llama_server: ServeProcess) -> None:

@@ -392,6 +392,8 @@ def prepare(args: argparse.Namespace, work: Path) -> None:
         for item in filter(None, args.config_override.split(",")):
             key, value = item.split("=", 1)
             config[key] = json.loads(value)
+            if config[key] is None:  # "quantization_config=null": dummy bf16 weights
+                del config[key]
         (model / "config.json").write_text(json.dumps(config, indent=1))
         train_tokenizer(model)  # ids < its vocabulary, a subset of the model's
         args.model_dir = str(model)

@@ -29,6 +29,7 @@ from hsx.store.storage_io import free_bytes_at
 from hsx.store.verify import VerifyReport, repair_store, verify_store
 from hsx.store.zarr_store import (
     ExtractionStore,
+    bytes_per_row,
     check_store_url,
     existing_store_meta,
     fs_and_root,
@@ -176,10 +177,7 @@ def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
     free = free_bytes_at(url)
     if free is None or Path(url.removeprefix("file://"), "zarr.json").exists():
         return  # remote (unknown) or resuming an existing store
-    itemsize = 2 if meta["logical_dtype"] == "bfloat16" else 4
-    k, h = int(meta["num_layers_captured"]), int(meta["hidden_size"])
-    per_row = k * (h + 4) if meta.get("state_encoding") == "fp8_e4m3" else k * h * itemsize
-    needed = plan.total_rows * (per_row + 5)
+    needed = plan.total_rows * bytes_per_row(meta)
     folder, available = free
     if needed > available:
         raise StoreError(

@@ -1,7 +1,7 @@
 """fp8 (e4m3) hidden states with one float32 scale per token and layer.
 
-A state vector ``x [H]`` is stored as ``q = fp8(x / s)`` with ``s = max|x| / 448`` (448 is
-e4m3's largest finite value), so each vector uses the whole fp8 range whatever its norm: the
+A state vector ``x [H]`` is stored as ``q = fp8(x * (448 / max|x|))`` and its scale
+``s = max|x| / 448`` (448 is e4m3's largest finite value; ``x = q * s`` reads it back), so each vector uses the whole fp8 range whatever its norm: the
 residual stream's norm grows by orders of magnitude from the first captured layer to the last,
 and a per-tensor or per-layer scale would leave the early layers in e4m3's subnormals. The
 scale costs 4 bytes per H (0.06% at H = 7168); float32 rather than bf16 so that the scale adds
@@ -11,7 +11,7 @@ Rounding is torch's cast (round to nearest even). The documented bound, per elem
 ``|x - dequantize(quantize(x))| <= max(|x| * 2**-4, s * 2**-10) + |x| * 2**-20`` (3 mantissa
 bits: half a unit in the last place is 2**-4 of the value for normal numbers; e4m3's subnormal
 step is 2**-9 of the scale, so half of it is 2**-10 * s; the last term covers the float32
-division and multiplication around the cast).
+arithmetic around the cast).
 
 Scales keep what the captured-state checks look for: a vector with inf/NaN has a non-finite
 scale, an all-zero vector a zero scale.

@@ -103,6 +103,22 @@ def existing_store_meta(url: str) -> dict[str, Any] | None:
     return meta if meta.get("layout_complete") else None
 
 
+def stored_state_dtype(meta: dict[str, Any]) -> str:
+    """The physical dtype of hidden_states for store metadata ``meta``: fp8 bits as uint8,
+    bf16 as uint16 (zarr has no bfloat16), else the logical dtype."""
+    if meta.get("state_encoding") == FP8_ENCODING:
+        return "uint8"
+    return "uint16" if meta["logical_dtype"] == "bfloat16" else str(meta["logical_dtype"])
+
+
+def bytes_per_row(meta: dict[str, Any]) -> int:
+    """Stored bytes of one token row over every row array (ids, mask, states, scales)."""
+    k, h = int(meta["num_layers_captured"]), int(meta["hidden_size"])
+    states = k * h * np.dtype(stored_state_dtype(meta)).itemsize
+    scales = 4 * k if meta.get("state_encoding") == FP8_ENCODING else 0
+    return states + scales + 4 + 1  # + input_ids int32 + loss_mask uint8
+
+
 def _sample_index_of(plan: Plan) -> dict[str, np.ndarray]:
     return {
         "sample_starts": np.asarray(plan.sample_starts, dtype=np.int64),  # [N]
@@ -191,8 +207,7 @@ class ExtractionStore:
         rows, c = plan.total_rows, plan.rows_per_chunk
         k, h = int(meta["num_layers_captured"]), int(meta["hidden_size"])
         fp8 = meta.get("state_encoding") == FP8_ENCODING
-        stored_dtype = "uint16" if meta["logical_dtype"] == "bfloat16" else meta["logical_dtype"]
-        stored_dtype = "uint8" if fp8 else stored_dtype
+        stored_dtype = stored_state_dtype(meta)
         # "c.I.0.0" keys: all chunk objects of an array in one folder. Zarr's default "c/I/0/0"
         # makes two directories per chunk on local disks (measured: mkdir cost more than the write).
         keys: Any = {"name": "default", "separator": "."}

@@ -21,6 +21,7 @@ from hsx.store.fp8_states import SCALES_ARRAY, dequantize, error_bound
 from hsx.store.reader import HiddenStatesReader
 from hsx.store.verify import verify_store
 from hsx.store.zarr_store import ExtractionStore
+from tests.cli import hsx, said
 from tests.conftest import REPO_ROOT, make_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -94,6 +95,8 @@ def test_fp8_stores_half_the_bytes_of_bf16(stores: dict[str, str]) -> None:
     )
     assert stored == rows * k * (h + 4)  # fp8 bits plus one float32 scale per vector
     assert stored / (rows * k * h * 2) <= 0.53  # against bf16 (H = 256: (256 + 4) / 512)
+    info = hsx("info", stores["fp8_e4m3"])
+    assert info.returncode == 0 and "fp8_e4m3 (read as float32)" in said(info), said(info)
 
 
 def test_verify_finds_flipped_payload_and_scales_and_repair_rewrites_them(

@@ -315,6 +315,18 @@ def test_a_store_that_cannot_fit_is_refused_before_anything_is_written(tmp_path:
     check_free_space(str(tmp_path / "small.zarr"), make_plan([10]), meta())  # fits: no error
 
 
+def test_the_space_a_store_needs_follows_its_stored_dtype() -> None:
+    """Bytes per token row: ids (4) + mask (1) + K x H states (4 fp32, 2 bf16, 1 fp8 plus a
+    4-byte scale per layer), as the arrays are created."""
+    from hsx.store.zarr_store import bytes_per_row
+
+    base = {"num_layers_captured": 4, "hidden_size": 7168}
+    fp32 = bytes_per_row({**base, "logical_dtype": "float32"})
+    bf16 = bytes_per_row({**base, "logical_dtype": "bfloat16"})
+    fp8 = bytes_per_row({**base, "logical_dtype": "bfloat16", "state_encoding": "fp8_e4m3"})
+    assert (fp32, bf16, fp8) == (4 * 7168 * 4 + 5, 4 * 7168 * 2 + 5, 4 * (7168 + 4) + 5)
+
+
 def test_missing_or_truncated_object_is_named_by_verify_not_read_as_zeros(
     host: HostPipeline, tmp_path: Path
 ) -> None:

@@ -243,7 +243,7 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
             where, *tunables = spec.split(":")
             checks = [t for t in tunables if t.startswith(("on_bad_states=", "store_dtype="))]
             tunables = [t for t in tunables if t not in checks]
-            folder = locations[where] / spec.replace(":", "-").replace("=", "-")
+            folder = locations[where] / _pass_folder(spec)
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             url = str(folder / "run.zarr")
@@ -307,23 +307,24 @@ def side_hsx(args: argparse.Namespace, in_process: bool) -> dict[str, Any]:
         close_all_engines()
     side = "hsx-in-process" if in_process else "hsx-child-process"
     stores = {
-        p["store"]: str(
-            locations["shm"] / p["store"].replace(":", "-").replace("=", "-") / "run.zarr"
-        )
-        for p in passes
+        p["store"]: str(locations["shm"] / _pass_folder(p["store"]) / "run.zarr") for p in passes
     }
     fp8_error = fp8_against_plain(stores.get("shm"), stores.get("shm:store_dtype=fp8_e4m3"))
     shutil.rmtree(locations["shm"], ignore_errors=True)
     return {"side": side, "load_seconds": load, "passes": passes, "fp8_error": fp8_error}
 
 
+def _pass_folder(spec: str) -> str:
+    """The folder of one pass's store: "shm:store_dtype=fp8_e4m3" -> "shm-store_dtype-fp8_e4m3"."""
+    return spec.replace(":", "-").replace("=", "-")
+
+
 def fp8_against_plain(
     plain_url: str | None, fp8_url: str | None, samples: int = 64
 ) -> list[dict[str, float]] | None:
     """Per captured layer, the error of the fp8 store against the plain (bf16) store of the
-    same run on its first ``samples`` samples: max and mean of |fp8 - bf16| / max|bf16| per
-    state vector, and the max and mean of the element-wise |fp8 - bf16| / |bf16|-weighted
-    (relative L2 per vector)."""
+    same run on its first ``samples`` samples, over the state vectors of that layer: max and
+    mean of max|fp8 - bf16| / max|bf16|, and max and mean of ||fp8 - bf16|| / ||bf16||."""
     if not plain_url or not fp8_url or not Path(fp8_url).exists() or not Path(plain_url).exists():
         return None
     import torch

@@ -18,6 +18,7 @@ on the sample, so a resumed export recognises a whole file by its checksum.
 from __future__ import annotations
 
 import io
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -39,9 +40,45 @@ class ExportFile:
     payload: bytes
 
 
+class _TorchSaveWithoutCrc:
+    """torch.save's CRC32 of every record switched off while any export serializes.
+
+    The CRC took 70% of a sample's serialization (4 of 5.5 ms for 13 MB on this project's
+    CPU machine); torch.load never checks it, and every exported file's xxh3 is in the
+    export's manifest. The switch (``torch.serialization.set_crc32_options``, torch >= 2.6) is
+    process-wide, so concurrent writers share one count and the last one out restores it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writers = 0
+        self._before = True
+        self._options = getattr(torch.serialization, "get_crc32_options", None), getattr(
+            torch.serialization, "set_crc32_options", None
+        )
+
+    def __enter__(self) -> None:
+        get, put = self._options
+        with self._lock:
+            if self._writers == 0 and get is not None and put is not None:
+                self._before = bool(get())
+                put(False)
+            self._writers += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _, put = self._options
+        with self._lock:
+            self._writers -= 1
+            if self._writers == 0 and put is not None:
+                put(self._before)
+
+
+_WITHOUT_CRC = _TorchSaveWithoutCrc()
+
+
 def torch_bytes(value: dict[str, Any]) -> bytes:
     buffer = io.BytesIO()
-    torch.save(value, buffer)  # to a buffer: the archive's name is fixed, the bytes repeatable
+    with _WITHOUT_CRC:
+        torch.save(value, buffer)  # to a buffer: the archive's name is fixed, the bytes repeatable
     return buffer.getvalue()
 
 

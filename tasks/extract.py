@@ -41,10 +41,11 @@ def extract_chunk_task(run: ExtractionRun, chunk_index: int) -> dict[str, Any]:
         if record is None:
             return {"chunk_index": chunk_index, "skipped": True, "tokens": 0, "seconds": 0.0}
         server = (record.extra or {}).get("engine_server")
+        collision = (record.extra or {}).get("collision")
         logger.info(
-            "chunk %06d committed: samples %d..%d, %d tokens in %.2f s (%.0f tokens/s), "
-            "attempt %d%s",
+            "chunk %06d %s: samples %d..%d, %d tokens in %.2f s (%.0f tokens/s), attempt %d%s",
             chunk_index,
+            "computed, but another attempt had committed it" if collision else "committed",
             record.sample_start,
             record.sample_end - 1,
             record.tokens,
@@ -64,4 +65,5 @@ def extract_chunk_task(run: ExtractionRun, chunk_index: int) -> dict[str, Any]:
             "checksum": (record.checksums.get("hidden_states") or ["-"])[0],
             "samples_skipped": len(record.skipped_samples),
             "server": server["url"] if server else "-",
+            "collision": bool(collision),
         }

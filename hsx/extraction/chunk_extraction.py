@@ -414,5 +414,27 @@ def extract_chunk(
         skipped_samples=list(writer.skipped),
     )
     with timings.timed("commit"):
-        store.write_commit(record)  # last: until now the chunk does not exist for readers
+        winner = store.write_commit(record)  # last: until now the chunk does not exist for readers
+    if winner is not None:
+        _record_collision(store, record, winner)
     return record
+
+
+def _record_collision(store: ExtractionStore, record: CommitRecord, winner: CommitRecord) -> None:
+    """Another attempt committed this chunk first: keep its commit, record both, go on (the
+    run's verify, or the parent of many nodes, re-checks the chunk's objects)."""
+    collision = store.write_collision(record, winner)
+    record.extra["collision"] = collision
+    logger.warning(
+        "chunk %06d was committed first by run %s attempt %d on %s; this attempt (run %s, "
+        "attempt %d) computed it too and did not commit (%s)",
+        record.chunk_index,
+        winner.run_id,
+        winner.attempt,
+        winner.host,
+        record.run_id,
+        record.attempt,
+        "the same object digests"
+        if collision["same_checksums"]
+        else "other object digests: run `hsx verify` on the store",
+    )

@@ -117,3 +117,29 @@ def write_local_atomic(
         if os.path.exists(temp):
             os.unlink(temp)
     return used_direct
+
+
+def create_local_once(path: str, payload: memoryview) -> bool:
+    """Create ``path`` holding ``payload`` only if nothing is there: written whole under a
+    temporary name and fsynced, then hard-linked to ``path`` (link(2) fails where the name
+    exists, on local and NFS file systems alike; O_EXCL on the final name would expose a
+    partial file). Returns False, writing nothing, when ``path`` already existed."""
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        os.makedirs(directory, exist_ok=True)
+    temp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(temp, _CREATE_FLAGS, 0o644)
+        try:
+            _write_all(fd, payload.cast("B"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)

@@ -22,7 +22,7 @@ from hsx.errors import (
     StoreReadOnlyError,
     is_retryable,
 )
-from hsx.store.local_io import write_local_atomic
+from hsx.store.local_io import create_local_once, write_local_atomic
 
 
 def _store_of(path: str) -> str:
@@ -129,6 +129,28 @@ def write_atomic(
         error = storage_error(
             store or _store_of(path), path, memoryview(payload).nbytes, exc, local
         )
+        if error is None:
+            raise
+        raise error from exc
+
+
+def create_once(
+    fs: fsspec.AbstractFileSystem, path: str, payload: bytes, store: str | None = None
+) -> bool:
+    """Put-if-absent: write ``payload`` to ``path`` only if no object is there, atomically
+    (two writers racing: exactly one creates it). Local disks: a whole, fsynced temporary file
+    hard-linked into place; object stores: a conditional PUT (``If-None-Match: *`` through
+    fsspec's ``mode="create"``). Returns False, writing nothing, when ``path`` existed."""
+    local = isinstance(fs, LocalFileSystem)
+    try:
+        if local:
+            return create_local_once(path, memoryview(payload))
+        fs.pipe_file(path, payload, mode="create")
+        return True
+    except FileExistsError:
+        return False
+    except Exception as exc:
+        error = storage_error(store or _store_of(path), path, len(payload), exc, local)
         if error is None:
             raise
         raise error from exc

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import fsspec
@@ -36,12 +38,16 @@ from hsx.store.checksums import digest
 from hsx.store.fp8_states import ENCODING as FP8_ENCODING
 from hsx.store.fp8_states import SCALES_ARRAY
 from hsx.store.layout_copy import write_layout_copy
-from hsx.store.storage_io import exists, storage_error, store_io, write_atomic
+from hsx.store.storage_io import create_once, exists, storage_error, store_io, write_atomic
 
 SCHEMA_VERSION = 1
 HSX_ATTR = "hsx"
 _BATCH_READERS = 16  # objects of one batch read at once (read_row_ranges)
 COMMITS_DIR = "commits"
+# Records of chunks computed by more than one attempt (ExtractionStore.write_collision).
+COLLISIONS_DIR = "collisions"
+# What a collision record keeps of each attempt.
+_ATTEMPT_FIELDS = ("run_id", "attempt", "host", "pid", "started_at", "finished_at", "extra")
 RUNS_DIR = "runs"
 ROW_ARRAYS = ("input_ids", "loss_mask", "hidden_states", SCALES_ARRAY)  # those a store has
 
@@ -519,9 +525,47 @@ class ExtractionStore:
     def _commit_path(self, index: int) -> str:
         return f"{self.root}/{COMMITS_DIR}/chunk-{index:06d}.json"
 
-    def write_commit(self, record: CommitRecord) -> None:
+    def write_commit(self, record: CommitRecord) -> CommitRecord | None:
+        """Commit a chunk exactly once: the record is created only where the chunk has none
+        (put-if-absent), so of two attempts racing on one chunk (two nodes, or a retry beside a
+        run thought dead) exactly one commits. Returns None when this record is the chunk's,
+        else the record that was there first (the caller records the collision)."""
+        path = self._commit_path(record.chunk_index)
         payload = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
-        write_atomic(self.fs, self._commit_path(record.chunk_index), payload, durable=True)
+        if create_once(self.fs, path, payload, store=self.url):
+            return None
+        there = self._load_commit(path, record.chunk_index)
+        # A conditional PUT retried after its answer was lost finds its own record: not a race.
+        return None if there == record else there
+
+    def write_collision(self, loser: CommitRecord, winner: CommitRecord) -> dict[str, Any]:
+        """Record that ``loser`` computed a chunk ``winner`` had committed: both attempts, and
+        whether their objects' digests agree (where they differ, the stored objects may mix
+        the two attempts' bytes until ``hsx verify --repair`` redoes the chunk)."""
+        attempts = {"winner": asdict(winner), "loser": asdict(loser)}  # copies
+        collision = {
+            "chunk_index": loser.chunk_index,
+            "same_checksums": loser.checksums == winner.checksums,
+            **{side: {k: v[k] for k in _ATTEMPT_FIELDS} for side, v in attempts.items()},
+            "recorded_at": datetime.now(UTC).isoformat(),
+        }
+        name = f"chunk-{loser.chunk_index:06d}-{uuid.uuid4().hex[:12]}.json"
+        payload = json.dumps(collision, indent=1, sort_keys=True).encode()
+        write_atomic(self.fs, f"{self.root}/{COLLISIONS_DIR}/{name}", payload, durable=True)
+        return collision
+
+    def collisions(self) -> list[dict[str, Any]]:
+        """Every recorded collision (a chunk computed by more than one attempt), oldest first."""
+        directory = f"{self.root}/{COLLISIONS_DIR}"
+        if not exists(self.fs, self.url, directory):
+            return []
+        listing = self._io(directory, "list", lambda: self.fs.ls(directory, detail=False))
+        found = [
+            json.loads(self._io(str(path), "read", lambda p=path: self.fs.cat_file(p)))
+            for path in listing
+            if str(path).endswith(".json")
+        ]
+        return sorted(found, key=lambda c: (c["recorded_at"], c["chunk_index"]))
 
     def _io(self, path: str, action: str, call: Any) -> Any:
         return store_io(self.fs, self.url, path, action, call)

@@ -52,8 +52,9 @@ class _TorchSaveWithoutCrc:
         self._lock = threading.Lock()
         self._writers = 0
         self._before = True
-        self._options = getattr(torch.serialization, "get_crc32_options", None), getattr(
-            torch.serialization, "set_crc32_options", None
+        self._options = (
+            getattr(torch.serialization, "get_crc32_options", None),
+            getattr(torch.serialization, "set_crc32_options", None),
         )
 
     def __enter__(self) -> None:

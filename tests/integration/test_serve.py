@@ -473,6 +473,7 @@ def test_two_servers_feed_one_run_and_take_over_when_one_dies(
     # Every planned chunk committed once, by its first attempt, on one of the two servers.
     assert sorted(commits) == list(range(len(store.work_chunks))) and len(commits) >= 8
     assert all(record.attempt == 1 for record in commits.values())
+    assert store.collisions() == []  # and none computed twice (a late attempt would record one)
     served = _served_by(url)
     assert {s["url"] for s in served.values()} == set(both), served
     compared, worst = max_difference_from_hf(tiny_llama, url)
@@ -501,6 +502,9 @@ def test_two_servers_feed_one_run_and_take_over_when_one_dies(
     )
     assert summary["verified"] and summary["chunks_failed"] == []
     commits = ExtractionStore.open(url).committed_chunks()
+    # The killed server's chunks were computed again, but each committed once: the dead
+    # attempts never reached their commit.
+    assert ExtractionStore.open(url).collisions() == []
     served = _served_by(url)
     retried = [index for index, record in commits.items() if record.attempt > 1]
     assert retried and all(served[i]["url"] == llama_server.url for i in retried), served

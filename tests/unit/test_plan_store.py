@@ -492,3 +492,76 @@ def test_a_store_of_an_older_hsx_gets_its_layout_copy_once_checked(
     refused = runner.invoke(app, ["verify", other, "--repair"])
     assert refused.exit_code == 2 and "input_ids/zarr.json: shape" in refused.output
     assert not (tmp_path / "bad.zarr" / COPY_NAME).exists()
+
+
+class ShiftedEngine(StatesEngine):
+    """Other states for the same tokens: a second attempt whose bytes differ (another batch
+    cut on a GPU rounds differently)."""
+
+    def extract(self, prompts: list[np.ndarray]) -> list[torch.Tensor]:
+        return [states + 0.5 for states in super().extract(prompts)]
+
+
+def test_a_chunk_computed_twice_is_committed_once_and_the_collision_recorded(
+    host: HostPipeline, store_url: str
+) -> None:
+    """Two attempts at one chunk (a retry beside a run thought dead, two nodes): the first
+    commit stays, the second neither overwrites it nor fails; each collision is recorded with
+    both attempts and whether their objects' digests agree."""
+    plan = make_plan([30, 30], work=32)
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    chunk = plan.chunks[0]
+    first = extract_chunk(host, store, chunk, StatesEngine(), 100, RunContext("run-a"))
+    again = extract_chunk(host, store, chunk, StatesEngine(), 100, RunContext("run-b"))
+    other = extract_chunk(host, store, chunk, ShiftedEngine(), 100, RunContext("run-c", attempt=2))
+    committed = store.read_commit(chunk.index)
+    assert committed == first and "collision" not in first.extra
+    assert again.extra["collision"]["winner"]["run_id"] == "run-a"
+    collisions = store.collisions()
+    assert [(c["loser"]["run_id"], c["loser"]["attempt"]) for c in collisions] == [
+        ("run-b", 1),
+        ("run-c", 2),
+    ]
+    assert [c["same_checksums"] for c in collisions] == [True, False]
+    assert {c["winner"]["run_id"] for c in collisions} == {"run-a"}
+    assert other.extra["collision"]["same_checksums"] is False
+    # The third attempt's objects replaced the committed ones: verify names the chunk, the
+    # repair drops its commit, and a new attempt commits it cleanly.
+    from hsx.store.verify import repair_store
+
+    report = verify_store(ExtractionStore.open(store_url))
+    assert not report.ok and {p.chunk_index for p in report.problems} == {chunk.index}
+    repair_store(store, report)
+    assert [c.index for c in store.pending_chunks()] == [0, 1]
+    redone = extract_chunk(host, store, chunk, ShiftedEngine(), 100, RunContext("run-d"))
+    assert "collision" not in redone.extra and store.read_commit(0) == redone
+    extract_chunk(host, store, plan.chunks[1], StatesEngine(), 100, RunContext("run-d"))
+    assert verify_store(store).ok
+
+
+def test_racing_commits_of_one_chunk_on_a_local_disk_leave_exactly_one_winner(
+    host: HostPipeline, tmp_path: Path
+) -> None:
+    """Sixteen threads commit sixteen different records for one chunk at once: one creates the
+    record (link(2) of a whole temporary file), fifteen are handed that record back, and the
+    file holds the winner's record whole."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    url = str(tmp_path / "race")
+    plan = make_plan([30, 30], work=32)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    base = extract_chunk(host, store, plan.chunks[1], StatesEngine(), 100, RunContext("base"))
+    records = [replace(base, chunk_index=0, run_id=f"racer-{n}") for n in range(16)]
+    for record in records:
+        record.row_start, record.row_end = plan.chunks[0].row_start, plan.chunks[0].row_end
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(store.write_commit, records))
+    winners = [r for r, answer in zip(records, answers, strict=True) if answer is None]
+    assert len(winners) == 1
+    assert all(answer == winners[0] for answer in answers if answer is not None)
+    assert store.read_commit(0) == winners[0]
+    assert sorted(p.name for p in (tmp_path / "race" / "commits").iterdir()) == [
+        "chunk-000000.json",
+        "chunk-000001.json",
+    ]  # no temporary file left behind

@@ -36,6 +36,8 @@ class ChunkTally:
     abandoned: list[int] = field(default_factory=list)  # stopped before their commit
     not_started: list[int] = field(default_factory=list)
     repaired: list[int] = field(default_factory=list)  # corrupt at verify, extracted again
+    # computed here, but another attempt had committed them first (the store records each)
+    collided: list[int] = field(default_factory=list)
     skipped_samples: int = 0
     extracted_tokens: int = 0
     seconds: float = 0.0  # first chunk's start to last commit
@@ -46,6 +48,8 @@ class ChunkTally:
 
     def commit(self, index: int, result: dict[str, Any]) -> None:
         self.results[index] = result
+        if result.get("collision"):
+            self.collided.append(index)
         self.extracted_tokens += int(result["tokens"])
         self.skipped_samples += int(result.get("samples_skipped", 0))
 
@@ -175,6 +179,7 @@ def summarize(
         "chunks_failed": tally.failed,
         "chunk_errors": {str(index): tally.errors[index] for index in tally.failed},
         "chunks_not_started": tally.not_started,
+        "chunks_committed_by_another_attempt": tally.collided,
         "samples_skipped_now": tally.skipped_samples,
         "tokens_extracted_now": tally.extracted_tokens,
         # Tokens over the extraction phase (first chunk's start to last commit), as the progress

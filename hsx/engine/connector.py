@@ -60,6 +60,9 @@ from hsx.engine.server_protocol import (
     prompt_digest,
 )
 from hsx.engine.vllm_compat import HIDDEN_STATE_LAYOUT, TOKENS_FIRST, hidden_state_cache_order
+from hsx.store.fp8_states import ENCODING as FP8_ENCODING
+from hsx.store.fp8_states import PACKED_SCALE_BYTES
+from hsx.store.fp8_states import pack as packed_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +151,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         self._sink_id: str = str(extra.get("sink_id", ""))
         self._spool_dir: str = str(extra.get("spool_dir", ""))
         self._ring_granules = int(extra.get("ring_granules", 0))
+        # fp8_e4m3: on a GPU, rows are quantized there and delivered packed (fp8_states.pack).
+        self._state_encoding = str(extra.get("state_encoding", ""))
         # Under hsx serve: only requests that name a channel are extracted; any other (a plain
         # completion, a health probe) runs as vLLM would run it.
         self._serving = bool(extra.get("serving", False))
@@ -196,7 +201,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         if self._is_writer_rank and self._ring_granules and self._spool_dir:
             self._ring = RingWriter(self._spool_dir, self._ring_granules)
         if cache.device.type == "cuda":
-            self._copier = DeviceToHostCopier(cache.device, self._deliver)
+            encode = packed_fp8 if self._state_encoding == FP8_ENCODING else None
+            self._copier = DeviceToHostCopier(cache.device, self._deliver, encode)
             if self._ring is not None:
                 self._ring.pin()
 
@@ -237,6 +243,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
             # the result ring where it is pinned), deliver from the copier's thread; the engine
             # step never waits for the copy.
             destinations = None
+            if self._state_encoding == FP8_ENCODING:
+                hidden, dtype = hidden + PACKED_SCALE_BYTES, torch.uint8
             if any(ring is not None and ring.pinned for ring in rings):
                 destinations = [
                     ring.allocate((job.num_tokens, layers, hidden), dtype)

@@ -139,9 +139,18 @@ class _InFlight:
 class DeviceToHostCopier:
     """Asynchronous device-to-host copies of gathered rows, delivered in submission order."""
 
-    def __init__(self, device: torch.device, deliver: Deliver) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        deliver: Deliver,
+        encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self._device = device
         self._deliver = deliver
+        # Rows [tokens, K, H] -> what is copied and delivered (fp8: packed [tokens, K, H + 4]
+        # uint8, half the bytes over PCIe); it runs on the copy stream, beside the engine's
+        # next step. None: the rows as they are.
+        self._encode = encode
         self._stream = torch.cuda.Stream(device=device)
         self._pending: queue.Queue[_InFlight | None] = queue.Queue()
         self._failure: BaseException | None = None
@@ -167,31 +176,36 @@ class DeviceToHostCopier:
         flat = gathered.view(index.numel() * block_size, layers, hidden)
         ready = torch.cuda.Event()
         ready.record()  # the gather, in the engine's stream order
-        if destinations is None:  # one buffer for the step: one copy
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            hosts = [host[s : s + j.num_tokens] for j, s in zip(jobs, row_starts, strict=True)]
-            sources = [flat]
-            targets = [host]
-        else:  # a copy per request, each into its own place
-            hosts = [
-                d
-                if d is not None
-                else torch.empty((j.num_tokens, layers, hidden), dtype=flat.dtype, pin_memory=True)
-                for j, d in zip(jobs, destinations, strict=True)
-            ]
-            sources = [flat[s : s + j.num_tokens] for j, s in zip(jobs, row_starts, strict=True)]
-            targets = hosts
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
+            payload = flat if self._encode is None else self._encode(flat)  # [rows, K, H']
+            row_shape, dtype = tuple(payload.shape[1:]), payload.dtype
+            if destinations is None:  # one buffer for the step: one copy
+                host = torch.empty(payload.shape, dtype=dtype, pin_memory=True)
+                hosts = [host[s : s + j.num_tokens] for j, s in zip(jobs, row_starts, strict=True)]
+                sources = [payload]
+                targets = [host]
+            else:  # a copy per request, each into its own place
+                hosts = [
+                    d
+                    if d is not None
+                    else torch.empty((j.num_tokens, *row_shape), dtype=dtype, pin_memory=True)
+                    for j, d in zip(jobs, destinations, strict=True)
+                ]
+                sources = [
+                    payload[s : s + j.num_tokens] for j, s in zip(jobs, row_starts, strict=True)
+                ]
+                targets = hosts
             for target, source in zip(targets, sources, strict=True):
                 target.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         # The caching allocator must not hand the gathered memory to the engine's stream
-        # before the side stream has read it.
+        # before the side stream has read it (the encoded payload was allocated on the side
+        # stream: it is kept until the copy is done).
         flat.record_stream(self._stream)
-        self._pending.put(_InFlight(done, hosts, flat, jobs, started))
-        timings.add("d2h_submit", time.perf_counter() - started, flat.nbytes)
+        self._pending.put(_InFlight(done, hosts, payload, jobs, started))
+        timings.add("d2h_submit", time.perf_counter() - started, payload.nbytes)
 
     def _complete(self) -> None:
         while True:

@@ -36,6 +36,8 @@ from hsx.engine.results import ResultRendezvous
 from hsx.engine.shm_folders import make_owned_folder
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.model.config import read_config, text_config
+from hsx.store.fp8_states import ENCODING as FP8_ENCODING
+from hsx.store.fp8_states import PACKED_SCALE_BYTES
 from settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -67,12 +69,22 @@ class VllmHiddenStateEngine:
     (continuous batching across chunk boundaries) instead of queueing behind a lock, so the
     engine stays busy while a chunk's last objects are written and committed."""
 
-    def __init__(self, model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        engine: EngineSettings,
+        layer_ids: Sequence[int],
+        state_encoding: str = "",
+    ) -> None:
         self.model_dir = model_dir
         self.settings = engine
         self.layer_ids = tuple(layer_ids)
         config = read_config(model_dir)
         self.hidden_size = int(text_config(config)["hidden_size"])
+        # fp8 on a GPU: the connector quantizes there and delivers packed rows [tokens, K,
+        # H + 4] uint8 (half the bytes over PCIe and through the ring); on the CPU the writer
+        # quantizes (the same cores either way).
+        self.packed_fp8 = state_encoding == FP8_ENCODING and _on_cuda()
         self.dtype = resolve_dtype(engine, config)
         self._sink_id = f"hsx-{uuid.uuid4().hex}"
         self._spool = make_owned_folder(SPOOL_PREFIX)
@@ -120,6 +132,7 @@ class VllmHiddenStateEngine:
             self._spool,
             config=config,
             ring_granules=ring_granules(ring_bytes) if ring_bytes else 0,
+            state_encoding=FP8_ENCODING if self.packed_fp8 else "",
         )
         self.attention_backend = kwargs.get("attention_backend")
         # Set for the engine's processes only (they copy the environment when they start):
@@ -310,10 +323,13 @@ class VllmHiddenStateEngine:
         self._rendezvous.fail_all(error)
 
     def _check(self, key: str, expected_tokens: int, rows: torch.Tensor) -> torch.Tensor:
-        expected = (expected_tokens, len(self.layer_ids), self.hidden_size)
-        if tuple(rows.shape) != expected:
+        width = self.hidden_size + (PACKED_SCALE_BYTES if self.packed_fp8 else 0)
+        expected = (expected_tokens, len(self.layer_ids), width)
+        if tuple(rows.shape) != expected or (self.packed_fp8 and rows.dtype != torch.uint8):
             raise EngineError(
-                f"request {key}: expected hidden states of shape {expected}, found {tuple(rows.shape)}"
+                f"request {key}: expected hidden states of shape {expected}"
+                f"{' (packed fp8, uint8)' if self.packed_fp8 else ''}, found "
+                f"{tuple(rows.shape)} {rows.dtype}"
             )
         return rows
 
@@ -377,24 +393,29 @@ _ENGINES: dict[str, VllmHiddenStateEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def engine_key(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> str:
-    """What builds the engine: the model, the engine's building fields, the layer ids (not the
-    batch size or servers, which only change how hsx feeds it)."""
+def engine_key(
+    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], state_encoding: str = ""
+) -> str:
+    """What builds the engine: the model, the engine's building fields, the layer ids and the
+    encoding its connector delivers (not the batch size or servers, which only change how hsx
+    feeds it)."""
     return json.dumps(
         {
             "model": str(model_dir.resolve()),
             "engine": engine.build_identity(),
             "layers": list(layer_ids),
+            **({"state_encoding": state_encoding} if state_encoding else {}),
         },
         sort_keys=True,
     )
 
 
 def get_engine(
-    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]
+    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], state_encoding: str = ""
 ) -> VllmHiddenStateEngine:
-    """The process's engine for these settings, built on first use (the long model load)."""
-    key = engine_key(model_dir, engine, layer_ids)
+    """The process's engine for these settings, built on first use (the long model load).
+    ``state_encoding``: the store's (fp8_e4m3: a GPU engine quantizes before its copy)."""
+    key = engine_key(model_dir, engine, layer_ids, state_encoding)
     with _ENGINES_LOCK:
         cached = _ENGINES.get(key)
         if cached is not None and cached.alive:
@@ -406,22 +427,26 @@ def get_engine(
             _ENGINES.clear()
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"model folder {model_dir}: expected config.json, found none")
-        built = VllmHiddenStateEngine(model_dir, engine, layer_ids)
+        built = VllmHiddenStateEngine(model_dir, engine, layer_ids, state_encoding)
         _ENGINES[key] = built
         return built
 
 
-def engine_is_loaded(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> bool:
+def engine_is_loaded(
+    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], state_encoding: str = ""
+) -> bool:
     """True when this process already holds a live engine for these settings."""
     with _ENGINES_LOCK:
-        cached = _ENGINES.get(engine_key(model_dir, engine, layer_ids))
+        cached = _ENGINES.get(engine_key(model_dir, engine, layer_ids, state_encoding))
     return cached is not None and cached.alive
 
 
-def drop_engine(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> None:
+def drop_engine(
+    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], state_encoding: str = ""
+) -> None:
     """Forget (and close) an engine that failed, so the retry rebuilds it."""
     with _ENGINES_LOCK:
-        dead = _ENGINES.pop(engine_key(model_dir, engine, layer_ids), None)
+        dead = _ENGINES.pop(engine_key(model_dir, engine, layer_ids, state_encoding), None)
     if dead is not None:
         dead.close()
 

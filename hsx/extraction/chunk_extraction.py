@@ -33,7 +33,7 @@ from hsx.interrupt import raise_if_stopped
 from hsx.plan.chunks import WorkChunk
 from hsx.store.checksums import ALGORITHM, digest, new_hasher, update_digest
 from hsx.store.fp8_states import ENCODING as FP8_ENCODING
-from hsx.store.fp8_states import SCALES_ARRAY, quantize
+from hsx.store.fp8_states import SCALES_ARRAY, quantize, unpack
 from hsx.store.local_io import DIRECT_ALIGNMENT
 from hsx.store.zarr_store import CommitRecord, ExtractionStore
 
@@ -58,10 +58,12 @@ def to_stored(states: torch.Tensor, logical_dtype: str) -> np.ndarray:
 
 
 def stored_parts(states: torch.Tensor, store: ExtractionStore) -> dict[str, np.ndarray]:
-    """One sample's states ``[tokens, K, H]`` as the arrays the store keeps: hidden_states in
-    its physical dtype, plus hidden_scales ``[tokens, K]`` in an fp8 store."""
+    """One sample's states ``[tokens, K, H]`` (or, from a GPU engine for an fp8 store, packed
+    ``[tokens, K, H + 4]`` uint8) as the arrays the store keeps: hidden_states in its physical
+    dtype, plus hidden_scales ``[tokens, K]`` in an fp8 store."""
     if store.state_encoding == FP8_ENCODING:
-        q, scales = quantize(states)
+        # Packed rows [tokens, K, H + 4] uint8: a GPU engine quantized them before its copy.
+        q, scales = unpack(states) if states.dtype == torch.uint8 else quantize(states)
         return {"hidden_states": q.cpu().numpy(), SCALES_ARRAY: scales.cpu().numpy()}
     return {"hidden_states": to_stored(states, store.logical_dtype)}
 

@@ -4,12 +4,23 @@ captured-state checks look for them, and the checks themselves on the scales."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from hsx.engine.capture_checks import SampleScan
-from hsx.store.fp8_states import FP8_MAX, dequantize, error_bound, quantize
+from hsx.store.fp8_states import (
+    FP8_MAX,
+    PACKED_SCALE_BYTES,
+    dequantize,
+    error_bound,
+    pack,
+    quantize,
+    unpack,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,3 +106,59 @@ def test_blocks_of_a_long_sample_quantize_as_one() -> None:
         torch.cat(scales_rows), scales[::97]
     )
     assert np.isfinite(scales.numpy()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_hold_the_same_bytes_as_quantize(dtype: torch.dtype) -> None:
+    """What a GPU engine delivers for an fp8 store (pack: each vector's fp8 bytes, then its
+    float32 scale's 4 bytes) unpacks to exactly quantize's bytes and scales."""
+    states = _residual_like(tokens=700).to(dtype)  # [tokens, K, H]; more than one block
+    states[5, 2] = 0.0
+    states[9, 1, 3] = float("nan")
+    q, scales = quantize(states)
+    packed = pack(states)
+    assert packed.dtype == torch.uint8 and packed.shape == (700, 4, 512 + PACKED_SCALE_BYTES)
+    q2, scales2 = unpack(packed)
+    assert torch.equal(q2, q)
+    assert torch.equal(scales2.view(torch.int32), scales.view(torch.int32))  # NaN bits too
+
+
+def test_unpack_names_what_it_expected() -> None:
+    with pytest.raises(
+        ValueError, match=r"expected uint8 \[tokens, K, H \+ 4\], found torch.bfloat16"
+    ):
+        unpack(torch.zeros(3, 2, 8, dtype=torch.bfloat16))
+
+
+def test_a_store_written_from_packed_rows_equals_one_written_from_states(
+    host: Any, tmp_path: Path
+) -> None:
+    """The writer takes packed rows (quantized by a GPU engine) or plain states (quantized on
+    the host) for an fp8 store: the stored objects and the commit's digests are the same."""
+    from hsx.extraction.chunk_extraction import RunContext, extract_chunk
+    from hsx.store.reader import HiddenStatesReader
+    from hsx.store.verify import verify_store
+    from hsx.store.zarr_store import ExtractionStore
+    from tests.unit.test_plan_store import StatesEngine, make_plan, meta
+
+    class PackingEngine(StatesEngine):
+        def extract(self, prompts: list[np.ndarray]) -> list[torch.Tensor]:
+            return [pack(states) for states in super().extract(prompts)]
+
+    records = {}
+    for name, engine in (("host", StatesEngine()), ("packed", PackingEngine())):
+        url = str(tmp_path / name)
+        plan = make_plan([30, 70, 5], work=64)
+        store = ExtractionStore.open_or_create(url, plan, {**meta(), "state_encoding": "fp8_e4m3"})
+        records[name] = [
+            extract_chunk(host, store, chunk, engine, 100, RunContext(name)).checksums
+            for chunk in plan.chunks
+        ]
+        assert verify_store(ExtractionStore.open(url)).ok
+    assert records["host"] == records["packed"]
+    host_reader = HiddenStatesReader(str(tmp_path / "host"))
+    packed_reader = HiddenStatesReader(str(tmp_path / "packed"))
+    for index in range(3):
+        assert torch.equal(
+            host_reader.sample(index).hidden_states, packed_reader.sample(index).hidden_states
+        )

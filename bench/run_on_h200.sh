@@ -11,6 +11,9 @@ fi
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
   PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 VLLM_LOGGING_LEVEL=WARNING
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /var/tmp /dev/shm | tail -2
+if [ "${FP8CHECK:-0}" = 1 ]; then
+  timeout 120 python3 bench/gpu_fp8_copier.py 2>&1 | tee "$out/fp8_copier.log" | tail -5
+fi
 if [ "${PARITY:-1}" = 1 ]; then
   timeout "${PARITY_TIMEOUT:-200}" python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep -E "^(==|PARITY|    )" | cut -c1-400
 fi

@@ -57,9 +57,9 @@ def main() -> int:
     for encode, name in ((None, "bf16"), (pack, "fp8 packed")):
         delivered.clear()
         done.clear()
-        copier = DeviceToHostCopier(torch.device("cuda"), deliver, encode)
+        copier = DeviceToHostCopier(torch.device("cuda"), deliver)
         started = time.perf_counter()
-        copier.submit(cache, index, jobs, starts)
+        copier.submit(cache, index, jobs, starts, None, encode)
         done.wait(60)
         seconds = time.perf_counter() - started
         copier.close()
@@ -74,6 +74,14 @@ def main() -> int:
             scales.view(torch.int32), expected_scales.view(torch.int32)
         ):
             bad.append(job.key)
+            differ = (q != expected_q).nonzero()
+            print(
+                f"{job.key}: {differ.shape[0]} of {q.numel()} fp8 bytes differ (first at "
+                f"{differ[:3].tolist()}: device {q[tuple(differ[0])].item() if len(differ) else '-'}, "
+                f"cpu {expected_q[tuple(differ[0])].item() if len(differ) else '-'}); scales equal: "
+                f"{torch.equal(scales, expected_scales)}, max rel diff "
+                f"{float(((scales - expected_scales).abs() / expected_scales.abs().clamp_min(1e-30)).max()):.3e}"
+            )
     print(
         "FP8-COPIER OK: device packing bit-equal to the CPU's"
         if not bad

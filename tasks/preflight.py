@@ -90,11 +90,9 @@ def model_load_probe_task(settings: HsxSettings) -> dict[str, Any]:
         layer_ids = context.get("layer_ids", ())
         # Imported here: hsx.engine.vllm_engine imports vLLM (seconds), and the flow's module
         # is imported by the UI's deployments for nothing but its parameter form.
-        from hsx.engine.homes import device_state_encoding
         from hsx.engine.vllm_engine import engine_is_loaded
 
-        encoding = device_state_encoding(settings)
-        if layer_ids and engine_is_loaded(settings.model, settings.engine, layer_ids, encoding):
+        if layer_ids and engine_is_loaded(settings.model, settings.engine, layer_ids):
             # The real engine already runs in this process (a re-run): probing would evict it
             # and cost a second model load.
             result = CheckResult(

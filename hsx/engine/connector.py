@@ -54,6 +54,7 @@ from hsx.engine.options import CONNECTOR_NAME
 from hsx.engine.platform import request_amx
 from hsx.engine.result_ring import RingWriter
 from hsx.engine.server_protocol import (
+    ENCODING_PARAM,
     PARAMS_KEY,
     SERVER_INSTANCE_ENV,
     ChannelRequest,
@@ -96,6 +97,8 @@ class ExtractionJob:
     num_tokens: int
     # Set for a request of an hsx server's client: where its rows go, and under which key.
     channel: ChannelRequest | None = None
+    # fp8_e4m3: quantized on the GPU and delivered packed (kv_transfer_params ENCODING_PARAM).
+    encoding: str = ""
 
 
 @dataclass
@@ -151,8 +154,6 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         self._sink_id: str = str(extra.get("sink_id", ""))
         self._spool_dir: str = str(extra.get("spool_dir", ""))
         self._ring_granules = int(extra.get("ring_granules", 0))
-        # fp8_e4m3: on a GPU, rows are quantized there and delivered packed (fp8_states.pack).
-        self._state_encoding = str(extra.get("state_encoding", ""))
         # Under hsx serve: only requests that name a channel are extracted; any other (a plain
         # completion, a health probe) runs as vLLM would run it.
         self._serving = bool(extra.get("serving", False))
@@ -164,6 +165,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _TrackedRequest] = {}
         # Scheduler side, under hsx serve: the client's channel of each request, by vLLM id.
         self._channel_requests: dict[str, ChannelRequest] = {}
+        # Scheduler side: requests whose rows are delivered encoded (fp8_e4m3), by vLLM id.
+        self._encodings: dict[str, str] = {}
         self._instance = os.environ.get(SERVER_INSTANCE_ENV, "")
         # Worker side.
         self._kv_cache: torch.Tensor | None = None  # [blocks, block_size, K, H] view
@@ -201,8 +204,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         if self._is_writer_rank and self._ring_granules and self._spool_dir:
             self._ring = RingWriter(self._spool_dir, self._ring_granules)
         if cache.device.type == "cuda":
-            encode = packed_fp8 if self._state_encoding == FP8_ENCODING else None
-            self._copier = DeviceToHostCopier(cache.device, self._deliver, encode)
+            self._copier = DeviceToHostCopier(cache.device, self._deliver)
             if self._ring is not None:
                 self._ring.pin()
 
@@ -235,25 +237,15 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
             rings.append(ring)
         if not jobs:
             return
+        if self._copier is not None:
+            # GPU: per encoding (plain, or fp8 packed), one gather and one asynchronous copy.
+            for encoding in sorted({job.encoding for job in jobs}):
+                group = [(j, r) for j, r in zip(jobs, rings, strict=True) if j.encoding == encoding]
+                self._copy_from_gpu([j for j, _ in group], [r for _, r in group], encoding)
+            return
         index, row_starts = self._block_index(jobs)
         _, block_size, layers, hidden = self._kv_cache.shape
         dtype = self._kv_cache.dtype
-        if self._copier is not None:
-            # GPU: gather on the device, copy to pinned memory on a side stream (straight into
-            # the result ring where it is pinned), deliver from the copier's thread; the engine
-            # step never waits for the copy.
-            destinations = None
-            if self._state_encoding == FP8_ENCODING:
-                hidden, dtype = hidden + PACKED_SCALE_BYTES, torch.uint8
-            if any(ring is not None and ring.pinned for ring in rings):
-                destinations = [
-                    ring.allocate((job.num_tokens, layers, hidden), dtype)
-                    if ring is not None and ring.pinned
-                    else None
-                    for job, ring in zip(jobs, rings, strict=True)
-                ]
-            self._copier.submit(self._kv_cache, index, jobs, row_starts, destinations)
-            return
         if all(ring is None for ring in rings):
             rows = gather_rows_on_cpu(self._kv_cache, index)
             for job, start in zip(jobs, row_starts, strict=True):
@@ -266,6 +258,31 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
             place = ring.allocate(shape, dtype) if ring is not None else None
             rows = gather_rows_on_cpu(self._kv_cache, blocks, out=place)
             self._deliver(job.key, rows[: job.num_tokens])
+
+    def _copy_from_gpu(
+        self, jobs: list[ExtractionJob], rings: list[RingWriter | None], encoding: str
+    ) -> None:
+        """Gather on the device, copy to pinned memory on a side stream (straight into the
+        result ring where it is pinned), deliver from the copier's thread: the engine step
+        never waits for the copy. fp8 jobs are quantized on the device and delivered packed."""
+        if self._kv_cache is None or self._copier is None:
+            raise RuntimeError("hidden-state cache not registered before the first save")
+        index, row_starts = self._block_index(jobs)
+        _, _, layers, hidden = self._kv_cache.shape
+        dtype = self._kv_cache.dtype
+        packed = encoding == FP8_ENCODING
+        if packed:
+            hidden, dtype = hidden + PACKED_SCALE_BYTES, torch.uint8
+        destinations = None
+        if any(ring is not None and ring.pinned for ring in rings):
+            destinations = [
+                ring.allocate((job.num_tokens, layers, hidden), dtype)
+                if ring is not None and ring.pinned
+                else None
+                for job, ring in zip(jobs, rings, strict=True)
+            ]
+        encode = packed_fp8 if packed else None
+        self._copier.submit(self._kv_cache, index, jobs, row_starts, destinations, encode)
 
     def _ring_of(self, job: ExtractionJob) -> RingWriter | None:
         """The ring a job's rows go to: its client's channel (hsx serve; routed by vLLM's
@@ -386,7 +403,10 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
     ) -> None:
         # Called for every request the scheduler admits, before build_connector_meta: the only
         # place the scheduler side sees the request's kv_transfer_params (hsx serve's channel).
-        params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY)
+        transfer = getattr(request, "kv_transfer_params", None) or {}
+        if transfer.get(ENCODING_PARAM) == FP8_ENCODING:
+            self._encodings[request.request_id] = FP8_ENCODING
+        params = transfer.get(PARAMS_KEY)
         if params is None or request.request_id in self._channel_requests:
             return
         try:
@@ -439,6 +459,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
                         list(tracked.block_ids),
                         tracked.prompt_len,
                         channel,
+                        self._encodings.pop(req_id, ""),
                     )
                 )
         return meta

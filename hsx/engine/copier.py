@@ -139,18 +139,9 @@ class _InFlight:
 class DeviceToHostCopier:
     """Asynchronous device-to-host copies of gathered rows, delivered in submission order."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        deliver: Deliver,
-        encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, device: torch.device, deliver: Deliver) -> None:
         self._device = device
         self._deliver = deliver
-        # Rows [tokens, K, H] -> what is copied and delivered (fp8: packed [tokens, K, H + 4]
-        # uint8, half the bytes over PCIe); it runs on the copy stream, beside the engine's
-        # next step. None: the rows as they are.
-        self._encode = encode
         self._stream = torch.cuda.Stream(device=device)
         self._pending: queue.Queue[_InFlight | None] = queue.Queue()
         self._failure: BaseException | None = None
@@ -164,10 +155,14 @@ class DeviceToHostCopier:
         jobs: Sequence[Job],
         row_starts: Sequence[int],
         destinations: Sequence[torch.Tensor | None] | None = None,
+        encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Queue the copy of blocks ``index`` of ``cache`` [blocks, block_size, K, H]: each
         job's rows into its pinned ``destinations`` entry (the result ring), or where that is
-        None or not given, into pinned buffers from torch's caching host allocator."""
+        None or not given, into pinned buffers from torch's caching host allocator.
+        ``encode``: rows [tokens, K, H] -> what is copied and delivered (fp8: packed rows
+        [tokens, K, H + 4] uint8, half the bytes over PCIe), run on the copy stream beside the
+        engine's next step; None: the rows as they are."""
         if self._failure is not None:
             raise RuntimeError(f"device-to-host copier failed earlier: {self._failure!r}")
         started = time.perf_counter()
@@ -178,7 +173,7 @@ class DeviceToHostCopier:
         ready.record()  # the gather, in the engine's stream order
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            payload = flat if self._encode is None else self._encode(flat)  # [rows, K, H']
+            payload = flat if encode is None else encode(flat)  # [rows, K, H']
             row_shape, dtype = tuple(payload.shape[1:]), payload.dtype
             if destinations is None:  # one buffer for the step: one copy
                 host = torch.empty(payload.shape, dtype=dtype, pin_memory=True)

@@ -17,7 +17,6 @@ from hsx.errors import ConfigError, EngineError
 from hsx.model.config import text_config
 from hsx.plan.building import config_hash
 from hsx.plan.frozen_inputs import weights_fingerprint
-from hsx.store.fp8_states import ENCODING as FP8_ENCODING
 from settings import EngineSettings, HsxSettings
 
 logger = logging.getLogger(__name__)
@@ -28,30 +27,24 @@ class LocalEngineHome(EngineHome):
     per process and kept across chunks and runs (hsx.engine.vllm_engine's cache)."""
 
     def __init__(
-        self,
-        model_dir: Path,
-        engine: EngineSettings,
-        layer_ids: Sequence[int],
-        queue_limit: int,
-        state_encoding: str = "",
+        self, model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], queue_limit: int
     ) -> None:
         self.kind = "in-process" if engine.in_process else "child process"
         self.queue_limit = queue_limit
         self._model_dir = model_dir
         self._engine = engine
         self._layer_ids = tuple(layer_ids)
-        self._state_encoding = state_encoding  # the store's: fp8 is quantized on a GPU
 
     @contextmanager
     def borrow(self) -> Iterator[HiddenStateEngine]:
         from hsx.engine.vllm_engine import drop_engine, get_engine  # imports vLLM: only here
 
-        engine = get_engine(self._model_dir, self._engine, self._layer_ids, self._state_encoding)
+        engine = get_engine(self._model_dir, self._engine, self._layer_ids)
         try:
             yield engine
         except EngineError:
             # A dead engine is rebuilt by the retry; a live one is kept for the next chunk.
-            drop_engine(self._model_dir, self._engine, self._layer_ids, self._state_encoding)
+            drop_engine(self._model_dir, self._engine, self._layer_ids)
             raise
 
     def record_of(self, engine: HiddenStateEngine) -> dict[str, Any]:
@@ -144,15 +137,5 @@ def make_engine_home(
         expected = server_expectation(settings, config, layer_ids, engine_dtype)
         return ServedEngineHome(settings, expected, int(text_config(config)["hidden_size"]))
     return LocalEngineHome(
-        settings.model,
-        settings.engine,
-        layer_ids,
-        engine_queue_tokens(settings),
-        device_state_encoding(settings),
+        settings.model, settings.engine, layer_ids, engine_queue_tokens(settings)
     )
-
-
-def device_state_encoding(settings: HsxSettings) -> str:
-    """What a local engine's connector is asked to deliver: fp8_e4m3 for an fp8 store (the
-    engine quantizes where it runs on a GPU), else nothing (rows as the engine holds them)."""
-    return FP8_ENCODING if settings.capture.store_dtype == FP8_ENCODING else ""

@@ -25,8 +25,12 @@ class HiddenStateEngine(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def submit(self, prompts: Sequence[np.ndarray]) -> list[Future[torch.Tensor]]:
-        """Queue prompts without waiting; one future per prompt."""
+    def submit(
+        self, prompts: Sequence[np.ndarray], state_encoding: str = ""
+    ) -> list[Future[torch.Tensor]]:
+        """Queue prompts without waiting; one future per prompt. ``state_encoding``: the
+        caller's store's (fp8_e4m3: an engine on a GPU may quantize there and deliver packed
+        rows ``[tokens, K, H + 4]`` uint8, hsx.store.fp8_states.pack; others deliver states)."""
         ...
 
     def extract(self, prompts: Sequence[np.ndarray]) -> list[torch.Tensor]:

@@ -166,10 +166,8 @@ def engine_kwargs(
     spool_dir: str,
     config: dict[str, Any] | None = None,
     ring_granules: int = 0,
-    state_encoding: str = "",
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for extraction (also shown by preflight).
-    ``state_encoding`` fp8_e4m3: the connector quantizes on the GPU and delivers packed rows.
 
     ``attention_backend`` is hsx's key: hsx.engine.vllm_compat turns it into what the installed
     vLLM takes."""
@@ -204,7 +202,6 @@ def engine_kwargs(
                 "sink_id": sink_id,
                 "spool_dir": spool_dir,
                 "ring_granules": ring_granules,
-                **({"state_encoding": state_encoding} if state_encoding else {}),
             },
         },
     }

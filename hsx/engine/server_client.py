@@ -271,8 +271,11 @@ class ServerEngine:
         """Why this client stopped being usable (its server died or restarted), if it did."""
         return self._failure
 
-    def submit(self, prompts: Sequence[np.ndarray]) -> list[Future[torch.Tensor]]:
-        """Queue prompts (token ids ``[tokens]``); each future gives ``[tokens, K, H]``.
+    def submit(
+        self, prompts: Sequence[np.ndarray], state_encoding: str = ""
+    ) -> list[Future[torch.Tensor]]:
+        """Queue prompts (token ids ``[tokens]``); each future gives ``[tokens, K, H]`` (states
+        as the server's engine holds them, whatever ``state_encoding``: the writer quantizes).
 
         The prompts go as one completion request (a list of prompts: one HTTP request per batch
         measured 3.5x the tokens/s of one per prompt through vLLM's server on the tiny Llama).

@@ -26,6 +26,9 @@ import xxhash
 from hsx.engine.channel_files import check_key
 
 PARAMS_KEY = "hsx"
+# kv_transfer_params key of a request whose rows the connector quantizes on the GPU and delivers
+# packed (value: hsx.store.fp8_states.ENCODING; rows [tokens, K, H + 4] uint8).
+ENCODING_PARAM = "hsx_state_encoding"
 INFO_PATH = "/hsx/info"
 # Set by `hsx serve` for the vLLM server it starts (its engine process inherits them).
 SERVER_INSTANCE_ENV = "HSX_SERVER_INSTANCE"

@@ -33,6 +33,7 @@ from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
 from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
 from hsx.engine.results import ResultRendezvous
+from hsx.engine.server_protocol import ENCODING_PARAM
 from hsx.engine.shm_folders import make_owned_folder
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.model.config import read_config, text_config
@@ -58,6 +59,7 @@ class _Pending:
     key: str
     token_ids: list[int]
     future: Future[torch.Tensor]
+    packed_fp8: bool = False  # quantized on the GPU, delivered as fp8_states.pack's rows
 
 
 class VllmHiddenStateEngine:
@@ -69,24 +71,17 @@ class VllmHiddenStateEngine:
     (continuous batching across chunk boundaries) instead of queueing behind a lock, so the
     engine stays busy while a chunk's last objects are written and committed."""
 
-    def __init__(
-        self,
-        model_dir: Path,
-        engine: EngineSettings,
-        layer_ids: Sequence[int],
-        state_encoding: str = "",
-    ) -> None:
+    def __init__(self, model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> None:
         self.model_dir = model_dir
         self.settings = engine
         self.layer_ids = tuple(layer_ids)
         config = read_config(model_dir)
         self.hidden_size = int(text_config(config)["hidden_size"])
-        # fp8 on a GPU: the connector quantizes there and delivers packed rows [tokens, K,
-        # H + 4] uint8 (half the bytes over PCIe and through the ring); on the CPU the writer
-        # quantizes (the same cores either way).
-        self.packed_fp8 = state_encoding == FP8_ENCODING and _on_cuda()
         self.dtype = resolve_dtype(engine, config)
         self._sink_id = f"hsx-{uuid.uuid4().hex}"
+        # Engine request ids whose rows the connector packs (fp8 on the GPU); set by the driver
+        # thread before the request runs, read once where its rows are checked.
+        self._packed_ids: set[str] = set()
         self._spool = make_owned_folder(SPOOL_PREFIX)
         # Rows and finished requests meet here, in either order (copies are asynchronous on
         # GPUs; a child engine process delivers through the shared-memory result ring).
@@ -132,7 +127,6 @@ class VllmHiddenStateEngine:
             self._spool,
             config=config,
             ring_granules=ring_granules(ring_bytes) if ring_bytes else 0,
-            state_encoding=FP8_ENCODING if self.packed_fp8 else "",
         )
         self.attention_backend = kwargs.get("attention_backend")
         # Set for the engine's processes only (they copy the environment when they start):
@@ -182,16 +176,22 @@ class VllmHiddenStateEngine:
     def alive(self) -> bool:
         return not self._closed and self._failure is None and self._driver.is_alive()
 
-    def submit(self, prompts: Sequence[np.ndarray]) -> list[Future[torch.Tensor]]:
-        """Queue prompts (token ids ``[tokens]``); each future gives ``[tokens, K, H]``."""
+    def submit(
+        self, prompts: Sequence[np.ndarray], state_encoding: str = ""
+    ) -> list[Future[torch.Tensor]]:
+        """Queue prompts (token ids ``[tokens]``); each future gives ``[tokens, K, H]``, or
+        for ``state_encoding`` fp8_e4m3 on a GPU packed rows ``[tokens, K, H + 4]`` uint8
+        (quantized there: half the bytes over PCIe and through the ring)."""
         if not self.alive:
             raise EngineError(
                 f"engine for {self.model_dir} is not alive ({self._failure!r}); a retry builds a new one"
             )
         batch = uuid.uuid4().hex[:12]
         # Token lists are built here, in the caller's thread, not in the engine's.
+        packed = state_encoding == FP8_ENCODING and _on_cuda()
         pending = [
-            _Pending(f"{batch}-{i}", prompt.tolist(), Future()) for i, prompt in enumerate(prompts)
+            _Pending(f"{batch}-{i}", prompt.tolist(), Future(), packed)
+            for i, prompt in enumerate(prompts)
         ]
         self._inbox.put(pending)
         return [item.future for item in pending]
@@ -224,6 +224,13 @@ class VllmHiddenStateEngine:
         # sampler: 3.5 ms a step random, 0.5 ms greedy, measured). One object for every request
         # (vLLM clones it): results are matched by the engine's own request ids.
         params = SamplingParams(max_tokens=1, detokenize=False, temperature=0.0)
+        # Requests of an fp8 store on a GPU: the connector quantizes their rows there.
+        packed = SamplingParams(
+            max_tokens=1,
+            detokenize=False,
+            temperature=0.0,
+            extra_args={"kv_transfer_params": {ENCODING_PARAM: FP8_ENCODING}},
+        )
         try:
             while True:
                 # Block only when the engine is idle; otherwise take what arrived and step.
@@ -236,7 +243,7 @@ class VllmHiddenStateEngine:
                     if item is None:
                         self._shutdown()
                         return
-                    self._add_batch(engine, item, params)
+                    self._add_batch(engine, item, params, packed)
                     block = False
                 started = time.perf_counter()
                 outputs = engine.step()
@@ -278,7 +285,7 @@ class VllmHiddenStateEngine:
                 return
             time.sleep(0.2)
 
-    def _add_batch(self, engine: Any, batch: list[_Pending], params: Any) -> None:
+    def _add_batch(self, engine: Any, batch: list[_Pending], params: Any, packed: Any) -> None:
         """Add a submitted batch's requests to the engine (in the driver thread)."""
         from vllm.inputs import TokensPrompt
 
@@ -288,7 +295,9 @@ class VllmHiddenStateEngine:
                 # vLLM makes the id unique (key + random suffix) and returns it; the connector
                 # sees only that id, so results are keyed by it.
                 engine_id = engine.add_request(
-                    item.key, TokensPrompt(prompt_token_ids=item.token_ids), params
+                    item.key,
+                    TokensPrompt(prompt_token_ids=item.token_ids),
+                    packed if item.packed_fp8 else params,
                 )
             except Exception as exc:  # this prompt alone: the engine stays up
                 refused = RequestRefusedError(
@@ -303,6 +312,8 @@ class VllmHiddenStateEngine:
                     "LLMEngine.add_request: expected the engine's request id (str), "
                     f"found {engine_id!r}"
                 )
+            if item.packed_fp8:
+                self._packed_ids.add(engine_id)  # its rows arrive packed (checked in _check)
             self._waiting[item.key] = (item.token_ids, item.future, engine_id)
         self._adding = []
 
@@ -323,13 +334,15 @@ class VllmHiddenStateEngine:
         self._rendezvous.fail_all(error)
 
     def _check(self, key: str, expected_tokens: int, rows: torch.Tensor) -> torch.Tensor:
-        width = self.hidden_size + (PACKED_SCALE_BYTES if self.packed_fp8 else 0)
+        packed = key in self._packed_ids
+        self._packed_ids.discard(key)
+        width = self.hidden_size + (PACKED_SCALE_BYTES if packed else 0)
         expected = (expected_tokens, len(self.layer_ids), width)
-        if tuple(rows.shape) != expected or (self.packed_fp8 and rows.dtype != torch.uint8):
+        if tuple(rows.shape) != expected or (packed and rows.dtype != torch.uint8):
             raise EngineError(
                 f"request {key}: expected hidden states of shape {expected}"
-                f"{' (packed fp8, uint8)' if self.packed_fp8 else ''}, found "
-                f"{tuple(rows.shape)} {rows.dtype}"
+                f"{' (packed fp8, uint8)' if packed else ''}, found {tuple(rows.shape)} "
+                f"{rows.dtype}"
             )
         return rows
 
@@ -393,29 +406,24 @@ _ENGINES: dict[str, VllmHiddenStateEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def engine_key(
-    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], state_encoding: str = ""
-) -> str:
-    """What builds the engine: the model, the engine's building fields, the layer ids and the
-    encoding its connector delivers (not the batch size or servers, which only change how hsx
-    feeds it)."""
+def engine_key(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> str:
+    """What builds the engine: the model, the engine's building fields, the layer ids (not the
+    batch size or servers, which only change how hsx feeds it)."""
     return json.dumps(
         {
             "model": str(model_dir.resolve()),
             "engine": engine.build_identity(),
             "layers": list(layer_ids),
-            **({"state_encoding": state_encoding} if state_encoding else {}),
         },
         sort_keys=True,
     )
 
 
 def get_engine(
-    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], state_encoding: str = ""
+    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]
 ) -> VllmHiddenStateEngine:
-    """The process's engine for these settings, built on first use (the long model load).
-    ``state_encoding``: the store's (fp8_e4m3: a GPU engine quantizes before its copy)."""
-    key = engine_key(model_dir, engine, layer_ids, state_encoding)
+    """The process's engine for these settings, built on first use (the long model load)."""
+    key = engine_key(model_dir, engine, layer_ids)
     with _ENGINES_LOCK:
         cached = _ENGINES.get(key)
         if cached is not None and cached.alive:
@@ -427,26 +435,22 @@ def get_engine(
             _ENGINES.clear()
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"model folder {model_dir}: expected config.json, found none")
-        built = VllmHiddenStateEngine(model_dir, engine, layer_ids, state_encoding)
+        built = VllmHiddenStateEngine(model_dir, engine, layer_ids)
         _ENGINES[key] = built
         return built
 
 
-def engine_is_loaded(
-    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], state_encoding: str = ""
-) -> bool:
+def engine_is_loaded(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> bool:
     """True when this process already holds a live engine for these settings."""
     with _ENGINES_LOCK:
-        cached = _ENGINES.get(engine_key(model_dir, engine, layer_ids, state_encoding))
+        cached = _ENGINES.get(engine_key(model_dir, engine, layer_ids))
     return cached is not None and cached.alive
 
 
-def drop_engine(
-    model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int], state_encoding: str = ""
-) -> None:
+def drop_engine(model_dir: Path, engine: EngineSettings, layer_ids: Sequence[int]) -> None:
     """Forget (and close) an engine that failed, so the retry rebuilds it."""
     with _ENGINES_LOCK:
-        dead = _ENGINES.pop(engine_key(model_dir, engine, layer_ids, state_encoding), None)
+        dead = _ENGINES.pop(engine_key(model_dir, engine, layer_ids), None)
     if dead is not None:
         dead.close()
 

@@ -364,6 +364,8 @@ def extract_chunk(
     started = time.perf_counter()
     samples, read_digests = chunk_samples(store, chunk)
     writer = ChunkWriter(host, store, chunk, bad_states)
+    # An fp8 store lets an engine on a GPU quantize before its copy (packed rows arrive).
+    encoding = FP8_ENCODING if store.state_encoding == FP8_ENCODING else ""
     pending: Future[None] | None = None
     queued: deque[tuple[list[TokenizedSample], list[Future[torch.Tensor]]]] = deque()
 
@@ -384,7 +386,7 @@ def extract_chunk(
         for batch in batches(samples, batch_tokens):
             raise_if_stopped(chunk.name)  # a stopped run queues nothing more
             prompts = [sample.input_ids for sample in batch]
-            queued.append((batch, host.submit(engine, prompts)))
+            queued.append((batch, host.submit(engine, prompts, encoding)))
             if len(queued) > host.prefetch_batches:
                 consume()
         while queued:

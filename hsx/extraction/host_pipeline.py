@@ -187,7 +187,7 @@ class HostPipeline:
         self.append_pool = ThreadPoolExecutor(max(4, _CPUS // 4), thread_name_prefix="hsx-writer")
 
     def submit(
-        self, engine: HiddenStateEngine, prompts: list[np.ndarray]
+        self, engine: HiddenStateEngine, prompts: list[np.ndarray], state_encoding: str = ""
     ) -> list[Future[torch.Tensor]]:
         """Queue a batch without waiting for its results, where the engine can (else compute it
         now), once the engine's queue has room; each prompt's tokens leave the queue when its
@@ -199,7 +199,8 @@ class HostPipeline:
             # Engines without ``submit`` (tests' fakes, the HF reference) compute at once.
             submit = getattr(engine, "submit", None)
             if submit is not None:
-                futures = cast(list[Future[torch.Tensor]], submit(prompts))
+                args = (prompts, state_encoding) if state_encoding else (prompts,)
+                futures = cast(list[Future[torch.Tensor]], submit(*args))
             else:
                 for rows in engine.extract(prompts):
                     done: Future[torch.Tensor] = Future()

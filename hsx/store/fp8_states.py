@@ -48,9 +48,12 @@ def quantize(
     for first in range(0, tokens, step):
         block = states[first : first + step]  # [n, K, H]
         amax = block.abs().amax(dim=-1).to(torch.float32)  # [n, K]: 4x vector_norm's speed here
-        scale = amax / FP8_MAX  # [n, K]; NaN/inf where the vector has one, 0 where all zero
+        # Tensor by tensor: IEEE division on every device (CUDA divides a tensor by a Python
+        # scalar through its reciprocal, one ulp away at times: a GPU's bytes would differ).
+        limit = torch.full_like(amax, FP8_MAX)
+        scale = amax / limit  # [n, K]; NaN/inf where the vector has one, 0 where all zero
         usable = torch.isfinite(scale) & (scale > 0)
-        inverse = torch.where(usable, FP8_MAX / amax, torch.ones_like(amax))
+        inverse = torch.where(usable, limit / amax, torch.ones_like(amax))
         if scaled is None or scaled.shape != block.shape:
             scaled = torch.empty(block.shape, dtype=torch.float32, device=states.device)
         # |block * inverse| <= 448 * (1 + 2**-22): below 464, where e4m3 would overflow.

@@ -119,11 +119,11 @@ def write_local_atomic(
     return used_direct
 
 
-def create_local_once(path: str, payload: memoryview) -> bool:
+def create_local_once(path: str, payload: memoryview, durable: bool = True) -> bool:
     """Create ``path`` holding ``payload`` only if nothing is there: written whole under a
-    temporary name and fsynced, then hard-linked to ``path`` (link(2) fails where the name
-    exists, on local and NFS file systems alike; O_EXCL on the final name would expose a
-    partial file). Returns False, writing nothing, when ``path`` already existed."""
+    temporary name (fsynced where ``durable``), then hard-linked to ``path`` (link(2) fails
+    where the name exists, on local and NFS file systems alike; O_EXCL on the final name would
+    expose a partial file). Returns False, writing nothing, when ``path`` already existed."""
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         os.makedirs(directory, exist_ok=True)
@@ -132,7 +132,8 @@ def create_local_once(path: str, payload: memoryview) -> bool:
         fd = os.open(temp, _CREATE_FLAGS, 0o644)
         try:
             _write_all(fd, payload.cast("B"))
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         try:

@@ -135,16 +135,21 @@ def write_atomic(
 
 
 def create_once(
-    fs: fsspec.AbstractFileSystem, path: str, payload: bytes, store: str | None = None
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    payload: bytes,
+    store: str | None = None,
+    durable: bool = True,
 ) -> bool:
     """Put-if-absent: write ``payload`` to ``path`` only if no object is there, atomically
     (two writers racing: exactly one creates it). Local disks: a whole, fsynced temporary file
-    hard-linked into place; object stores: a conditional PUT (``If-None-Match: *`` through
-    fsspec's ``mode="create"``). Returns False, writing nothing, when ``path`` existed."""
+    hard-linked into place (fsynced where ``durable``); object stores: a conditional PUT
+    (``If-None-Match: *`` through fsspec's ``mode="create"``). Returns False, writing nothing,
+    when ``path`` existed."""
     local = isinstance(fs, LocalFileSystem)
     try:
         if local:
-            return create_local_once(path, memoryview(payload))
+            return create_local_once(path, memoryview(payload), durable)
         fs.pipe_file(path, payload, mode="create")
         return True
     except FileExistsError:

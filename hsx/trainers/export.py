@@ -32,7 +32,7 @@ from hsx.model.config import read_config
 from hsx.plan.building import code_version, config_hash
 from hsx.store.checksums import ALGORITHM
 from hsx.store.reader import HiddenStatesReader
-from hsx.store.storage_io import store_io, write_atomic
+from hsx.store.storage_io import create_once, store_io, write_atomic
 from hsx.store.zarr_store import fs_and_root
 from hsx.trainers.final_norm import FinalNorm, load_final_norm
 from hsx.trainers.formats import ExportFile, TrainerFormat, trainer_format
@@ -208,10 +208,9 @@ class Exporter:
         there, whole or not). A first attempt skips a size check per file: one request a unit,
         not one a file, on an object store (a HEAD per file cost 0.72 of a raw copy on S3)."""
         path = self.path(f"{STATE}/begun/unit-{unit:06d}")
-        if store_io(self.fs, self.plan.out, path, "check", lambda: self.fs.exists(path)):
-            return True
-        write_atomic(self.fs, path, b"", store=self.plan.out)
-        return False
+        # One request; not fsynced (a marker lost to a crash makes the next attempt check
+        # nothing: the files it finds are rewritten, whole or not, never taken as done).
+        return not create_once(self.fs, path, b"begun", store=self.plan.out, durable=False)
 
     def read_part(self, unit: int) -> dict[str, Any] | None:
         path = self._part_path(unit)

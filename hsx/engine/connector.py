@@ -469,6 +469,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         # Rows were copied in the step that completed the prompt: free the blocks now.
         self._tracked.pop(request.request_id, None)
+        self._encodings.pop(request.request_id, None)  # one aborted before its prompt ended
         if self._channel_requests.pop(request.request_id, None) is None:
             return False, None
         # Back to the client in the response: which server computed it, and what it computed.

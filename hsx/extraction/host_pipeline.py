@@ -199,8 +199,7 @@ class HostPipeline:
             # Engines without ``submit`` (tests' fakes, the HF reference) compute at once.
             submit = getattr(engine, "submit", None)
             if submit is not None:
-                args = (prompts, state_encoding) if state_encoding else (prompts,)
-                futures = cast(list[Future[torch.Tensor]], submit(*args))
+                futures = cast(list[Future[torch.Tensor]], submit(prompts, state_encoding))
             else:
                 for rows in engine.extract(prompts):
                     done: Future[torch.Tensor] = Future()

@@ -26,7 +26,7 @@ FP8_MAX = 448.0
 SCALES_ARRAY = "hidden_scales"  # float32 [T, K], beside hidden_states uint8 [T, K, H]
 # Tokens quantized at a time: on the CPU the float32 temporaries stay in cache; on a GPU, fewer
 # and larger kernels (8192 x K x H float32 at H = 7168, K = 4 is 0.9 GiB).
-_BLOCK_TOKENS = {"cpu": 256}
+_CPU_BLOCK_TOKENS = 256
 _DEVICE_BLOCK_TOKENS = 8192
 # Packed rows (pack/unpack): each vector's H fp8 bytes, then its float32 scale's 4 bytes.
 PACKED_SCALE_BYTES = 4
@@ -41,7 +41,7 @@ def quantize(
     cast (on the CPU, the float32 temporaries of a division and a clamp cost two more passes
     at GPU rates of states)."""
     tokens = states.shape[0]
-    step = _BLOCK_TOKENS.get(states.device.type, _DEVICE_BLOCK_TOKENS)
+    step = _CPU_BLOCK_TOKENS if states.device.type == "cpu" else _DEVICE_BLOCK_TOKENS
     q = torch.empty(states.shape, dtype=torch.uint8, device=states.device) if into is None else into
     scales = torch.empty(states.shape[:-1], dtype=torch.float32, device=states.device)
     scaled: torch.Tensor | None = None

@@ -142,8 +142,8 @@ def create_once(
     durable: bool = True,
 ) -> bool:
     """Put-if-absent: write ``payload`` to ``path`` only if no object is there, atomically
-    (two writers racing: exactly one creates it). Local disks: a whole, fsynced temporary file
-    hard-linked into place (fsynced where ``durable``); object stores: a conditional PUT
+    (two writers racing: exactly one creates it). Local disks: a whole temporary file
+    (fsynced where ``durable``) hard-linked into place; object stores: a conditional PUT
     (``If-None-Match: *`` through fsspec's ``mode="create"``). Returns False, writing nothing,
     when ``path`` existed."""
     local = isinstance(fs, LocalFileSystem)

@@ -489,26 +489,15 @@ def test_racing_commits_of_one_chunk_on_s3_leave_exactly_one_winner(
     """Commit records on S3 are conditional PUTs (If-None-Match: *): twelve attempts at one
     chunk at once through the proxy, exactly one commits and the others get its record back;
     the same record put again (a PUT retried after its answer was lost) is no collision."""
-    from concurrent.futures import ThreadPoolExecutor
-    from dataclasses import replace
-
     from hsx.extraction.chunk_extraction import RunContext, extract_chunk
-    from tests.unit.test_plan_store import StatesEngine, make_plan, meta
+    from tests.unit.test_plan_store import StatesEngine, make_plan, meta, race_one_commit
 
     url = f"s3://{BUCKET}/race-{os.getpid()}-{time.monotonic_ns()}"
     plan = make_plan([30, 30], work=32)
     store = ExtractionStore.open_or_create(url, plan, meta())
     first = extract_chunk(host, store, plan.chunks[0], StatesEngine(), 100, RunContext("first"))
     assert store.write_commit(first) is None  # its own record again: not a race
-    records = [replace(first, chunk_index=1, run_id=f"racer-{n}") for n in range(12)]
-    for record in records:
-        record.row_start, record.row_end = plan.chunks[1].row_start, plan.chunks[1].row_end
-    with ThreadPoolExecutor(12) as pool:
-        answers = list(pool.map(store.write_commit, records))
-    winners = [r for r, answer in zip(records, answers, strict=True) if answer is None]
-    assert len(winners) == 1, [a.run_id if a else None for a in answers]
-    assert all(answer == winners[0] for answer in answers if answer is not None)
-    assert store.read_commit(1) == winners[0]
+    race_one_commit(store, first, plan.chunks[1], racers=12)
     again = extract_chunk(host, store, plan.chunks[0], StatesEngine(), 100, RunContext("late"))
     assert again.extra["collision"]["winner"]["run_id"] == "first"
     assert [c["loser"]["run_id"] for c in store.collisions()] == ["late"]

@@ -46,7 +46,9 @@ class QueueingEngine:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def submit(self, prompts: list[np.ndarray]) -> list[Future[torch.Tensor]]:
+    def submit(
+        self, prompts: list[np.ndarray], state_encoding: str = ""
+    ) -> list[Future[torch.Tensor]]:
         futures: list[Future[torch.Tensor]] = []
         with self._lock:
             for prompt in prompts:

@@ -13,13 +13,13 @@ import torch
 from hsx.errors import StoreError
 from hsx.extraction.chunk_extraction import ChunkWriter, RunContext, chunk_samples, extract_chunk
 from hsx.extraction.host_pipeline import HostPipeline
-from hsx.plan.chunks import Plan, auto_work_chunk_tokens, cut_chunks
+from hsx.plan.chunks import Plan, WorkChunk, auto_work_chunk_tokens, cut_chunks
 from hsx.plan.token_spool import TokenSpool
 from hsx.store.checksums import digest
 from hsx.store.layout_copy import METADATA_DOCUMENTS
 from hsx.store.reader import HiddenStatesReader
 from hsx.store.verify import verify_store
-from hsx.store.zarr_store import ExtractionStore
+from hsx.store.zarr_store import CommitRecord, ExtractionStore
 
 pytestmark = pytest.mark.timeout(120)
 K, H = 3, 32
@@ -539,28 +539,45 @@ def test_a_chunk_computed_twice_is_committed_once_and_the_collision_recorded(
     assert verify_store(store).ok
 
 
+def race_one_commit(
+    store: ExtractionStore, base: CommitRecord, chunk: WorkChunk, racers: int
+) -> CommitRecord:
+    """``racers`` threads commit as many different records for ``chunk`` at once (copies of
+    ``base``, another chunk's record, moved onto it): exactly one wins, every other is handed
+    the winner's record, and the store holds it. Returns the winner."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    records = [
+        replace(
+            base,
+            chunk_index=chunk.index,
+            row_start=chunk.row_start,
+            row_end=chunk.row_end,
+            run_id=f"racer-{n}",
+        )
+        for n in range(racers)
+    ]
+    with ThreadPoolExecutor(racers) as pool:
+        answers = list(pool.map(store.write_commit, records))
+    winners = [r for r, answer in zip(records, answers, strict=True) if answer is None]
+    assert len(winners) == 1, [a.run_id if a else None for a in answers]
+    assert all(answer == winners[0] for answer in answers if answer is not None)
+    assert store.read_commit(chunk.index) == winners[0]
+    return winners[0]
+
+
 def test_racing_commits_of_one_chunk_on_a_local_disk_leave_exactly_one_winner(
     host: HostPipeline, tmp_path: Path
 ) -> None:
     """Sixteen threads commit sixteen different records for one chunk at once: one creates the
     record (link(2) of a whole temporary file), fifteen are handed that record back, and the
     file holds the winner's record whole."""
-    from concurrent.futures import ThreadPoolExecutor
-    from dataclasses import replace
-
     url = str(tmp_path / "race")
     plan = make_plan([30, 30], work=32)
     store = ExtractionStore.open_or_create(url, plan, meta())
     base = extract_chunk(host, store, plan.chunks[1], StatesEngine(), 100, RunContext("base"))
-    records = [replace(base, chunk_index=0, run_id=f"racer-{n}") for n in range(16)]
-    for record in records:
-        record.row_start, record.row_end = plan.chunks[0].row_start, plan.chunks[0].row_end
-    with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(store.write_commit, records))
-    winners = [r for r, answer in zip(records, answers, strict=True) if answer is None]
-    assert len(winners) == 1
-    assert all(answer == winners[0] for answer in answers if answer is not None)
-    assert store.read_commit(0) == winners[0]
+    race_one_commit(store, base, plan.chunks[0], racers=16)
     assert sorted(p.name for p in (tmp_path / "race" / "commits").iterdir()) == [
         "chunk-000000.json",
         "chunk-000001.json",

@@ -3,6 +3,7 @@ hsx/ itself never imports prefect.
 
     hsx demo                      the main job on the bundled tiny model and dataset
     hsx extract --model DIR --dataset FILE --store URL [options]
+    hsx regenerate --model DIR --dataset D --out OUT   the target rewrites the assistant turns
     hsx verify STORE_URL          exit 0 only when every planned chunk is committed and verifies
     hsx export STORE --format F --out OUT   a store into a trainer's files (speculators, ...)
     hsx vocab STORE --draft-vocab-size N --out DIR   the draft vocabulary of a store
@@ -34,6 +35,7 @@ from flows.cli_common import build_settings
 from flows.export_cli import export, vocab
 from flows.extract_cli import demo, extract
 from flows.preflight_cli import make_tiny_models, preflight
+from flows.regenerate_cli import regenerate
 from flows.runs_cli import runs_app
 from flows.serve_cli import serve
 from flows.store_cli import info, verify
@@ -49,6 +51,7 @@ app.add_typer(runs_app, name="runs")
 app.command()(serve)
 app.command()(extract)
 app.command()(demo)
+app.command()(regenerate)
 app.command()(verify)
 app.command()(export)
 app.command()(vocab)

@@ -40,10 +40,16 @@ def parse_layer_ids(value: str | None) -> list[int] | None:
 
 
 def build_settings(**fields: Any) -> Any:
-    """Settings from CLI values over HSX_ environment variables over defaults."""
-    from pydantic import ValidationError
-
+    """Extraction's settings from CLI values over HSX_ environment variables over defaults."""
     from settings import HsxSettings
+
+    return build_settings_of(HsxSettings, **fields)
+
+
+def build_settings_of(settings_class: Any, /, **fields: Any) -> Any:
+    """Settings of ``settings_class`` (HsxSettings, RegenerateSettings) from CLI values (``section.key``
+    for a section's) over HSX_ environment variables over defaults."""
+    from pydantic import ValidationError
 
     sections: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
@@ -58,6 +64,6 @@ def build_settings(**fields: Any) -> Any:
     try:
         # One validation of everything together: pydantic-settings deep-merges these values over
         # HSX_* variables (a cross-field check must see the CLI's values, not the defaults).
-        return HsxSettings(**top, **sections)
+        return settings_class(**top, **sections)
     except ValidationError as exc:
         fail(f"invalid settings:\n{settings_errors(exc)}")

@@ -4,7 +4,7 @@ over its deployment's, tags, a progress bar, a chunk table and its run record.""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -14,9 +14,12 @@ from prefect.artifacts import (
 )
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
+from pydantic_settings import BaseSettings
 
 from hsx.store.run_records import RunAttempt
 from settings import HsxSettings, merge_partial
+
+SettingsModel = TypeVar("SettingsModel", bound=BaseSettings)
 
 
 def current_attempt(flow: str) -> RunAttempt:
@@ -31,15 +34,18 @@ def current_attempt(flow: str) -> RunAttempt:
     )
 
 
-def settings_from_parameters(given: HsxSettings | dict[str, Any]) -> HsxSettings:
-    """The run's settings. From a deployment, a run's ``settings`` parameter is partial: it is
-    merged over the deployment's own ``settings`` (Prefect would replace them wholesale), then
-    validated as strictly as the CLI's (an unknown key fails naming the closest known one)."""
-    if isinstance(given, HsxSettings):
+def settings_from_parameters(
+    given: SettingsModel | dict[str, Any], model: type[SettingsModel] = HsxSettings  # type: ignore[assignment]
+) -> SettingsModel:
+    """The run's settings (``model``: HsxSettings, RegenerateSettings). From a deployment, a
+    run's ``settings`` parameter is partial: it is merged over the deployment's own ``settings``
+    (Prefect would replace them wholesale), then validated as strictly as the CLI's (an unknown
+    key fails naming the closest known one)."""
+    if isinstance(given, model):
         return given
     defaults = _deployment_parameters().get("settings") or {}
     merged = merge_partial(defaults if isinstance(defaults, dict) else {}, dict(given))
-    return HsxSettings.model_validate(merged)
+    return model.model_validate(merged)
 
 
 def _deployment_parameters() -> dict[str, Any]:

@@ -16,17 +16,17 @@ prefect="$root/.venv/bin/prefect"
 if ! "$prefect" work-pool inspect hsx-gpu >/dev/null 2>&1; then
   "$prefect" work-pool create hsx-gpu --type process >/dev/null
 fi
-# Supervised, as systemd's Restart=always would: a Prefect 3.7 worker exits with "this borrower is
-# already holding one of this CapacityLimiter's tokens" when a run is retried (the UI's Retry)
-# while the process of its last attempt is still exiting; restarted, it picks the retry up.
-# One SIGTERM (systemctl stop, docker stop, prefect-down) stops it: the worker turns SIGTERM into
-# a SIGINT to itself, and a job started with & by a non-interactive shell ignores SIGINT, so the
-# worker is started with SIGINT's default action restored (kept across exec).
+# Supervised, as systemd's Restart=always would: a worker that exits is started again (and says
+# so in its log; the Prefect-stack tests fail on that line). flows/worker_launch.py runs Prefect's
+# worker with a fix for Prefect 3.7's exit on a Retry pressed while the last attempt's process
+# is still exiting, and with SIGINT's default handler restored: a job started with & by a
+# non-interactive shell ignores SIGINT, and the worker turns SIGTERM into a SIGINT to itself, so
+# one SIGTERM (systemctl stop, docker stop, prefect-down) stops it.
 child=""
 trap 'if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 0' TERM INT
-with_sigint='import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])'
+cd "$root"
 while true; do
-  "$root/.venv/bin/python" -c "$with_sigint" "$prefect" worker start --pool hsx-gpu \
+  "$root/.venv/bin/python" -m flows.worker_launch worker start --pool hsx-gpu \
     --limit "${HSX_WORKER_LIMIT:-1}" &
   child=$!
   code=0; wait "$child" || code=$?

@@ -92,6 +92,22 @@ class Stack:
         return list(response.json())
 
 
+RESTART_LINE = "start-worker: the worker exited"
+
+
+def worker_restarts(log: Path, context: int = 0) -> list[str]:
+    """Lines of infra/start-worker.sh's log saying its worker exited and was started again,
+    each after the ``context`` lines before it (what the worker said as it went)."""
+    if not log.exists():
+        return []
+    lines = log.read_text(errors="replace").splitlines()
+    return [
+        "\n".join(lines[max(0, i - context) : i + 1])
+        for i, line in enumerate(lines)
+        if RESTART_LINE in line
+    ]
+
+
 @contextmanager
 def running_stack(database: str) -> Iterator[Stack]:
     """The stack on a free port with a fresh database; stopped and removed after."""
@@ -134,6 +150,10 @@ def running_stack(database: str) -> Iterator[Stack]:
             start_new_session=True,
         )
         yield Stack(home, port, env)
+        # infra/start-worker.sh restarts a worker that exits, as systemd would; a restart during
+        # a test is a worker crash that the test's own checks would not see.
+        restarts = worker_restarts(home / "worker.log", context=30)
+        assert not restarts, "the worker exited and was restarted:\n" + "\n".join(restarts)
     except BaseException:
         # The flow runs' own output (a crashed run's traceback) is in the worker's log only.
         worker_log = home / "worker.log"

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from hsx.data.regenerated import is_regenerated, regenerated_parts
 from hsx.errors import DatasetError
 
 FORMATS = ("jsonl", "json", "parquet", "arrow")
@@ -88,6 +89,9 @@ def dataset_files(
 
     text = str(dataset)
     fs, root = fsspec.core.url_to_fs(text)
+    if fs.isdir(root) and is_regenerated(fs, root):
+        parts = regenerated_parts(fs, root, text)
+        return [DatasetFile(_name(fs, path), "jsonl", fs, path) for path in parts]
     if any(char in text for char in "*?["):
         paths = sorted(fs.glob(root))
         if not paths:

@@ -153,14 +153,15 @@ def pretokenized_sample(
     conversation: Conversation, max_length: int, vocabulary: int
 ) -> TokenizedSample:
     """A pre-tokenized row as a sample (no chat template): its ids checked against the
-    tokenizer's vocabulary, truncated to ``max_length`` like any sample."""
+    model's vocabulary (the tokenizer's, or config.json's vocab_size where larger: what vLLM
+    takes), truncated to ``max_length`` like any sample."""
     ids, mask = conversation.input_ids, conversation.loss_mask
     if ids is None or mask is None:
         raise DatasetError(f"{conversation.where}: expected pre-tokenized input_ids and loss_mask")
     if int(ids.max()) >= vocabulary:
         position = int(np.argmax(ids >= vocabulary))
         raise DatasetError(
-            f"{conversation.where}: input_ids: expected ids below the tokenizer's vocabulary "
+            f"{conversation.where}: input_ids: expected ids below the model's vocabulary "
             f"of {vocabulary}, found {int(ids[position])} at position {position}"
         )
     return TokenizedSample(

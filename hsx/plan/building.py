@@ -156,7 +156,9 @@ def _build_plan(
     lines: list[int] = []
     data = settings.data
     overlength = Overlength(data.on_overlength, max_length)
-    vocabulary = len(tokenizer)
+    # What vLLM accepts in a prompt: the larger of the tokenizer's ids and the embedding's rows
+    # (a model generates ids of its padded vocabulary; a regenerated dataset carries them).
+    vocabulary = max(len(tokenizer), int(text_config(config).get("vocab_size") or 0))
 
     def tokenize(batch: list[Conversation]) -> None:
         chats = [c for c in batch if not c.pretokenized]

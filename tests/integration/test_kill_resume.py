@@ -57,6 +57,29 @@ def run_extract(model: Path, dataset: Path, store: Path) -> subprocess.Completed
     )
 
 
+def half_written_chunks(store: Path) -> dict[int, list[str]]:
+    """Work chunks that have state objects in the store but no commit record: what a SIGKILL
+    between a chunk's first object and its commit leaves. {chunk index: its objects}"""
+    if not (store / "zarr.json").exists():
+        return {}
+    opened = ExtractionStore.open(str(store))
+    states = opened.array("hidden_states")
+    step = opened.rows_per_chunk
+    committed = set(opened.committed_chunks())
+    found: dict[int, list[str]] = {}
+    for chunk in opened.work_chunks:
+        if chunk.index in committed:
+            continue
+        keys = [
+            states.metadata.encode_chunk_key((row // step,) + (0,) * (states.ndim - 1))
+            for row in range(chunk.row_start, chunk.row_end, step)
+        ]
+        present = [key for key in keys if (store / "hidden_states" / key).exists()]
+        if present:
+            found[chunk.index] = present
+    return found
+
+
 def test_sigkill_mid_run_then_resume(
     tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:
@@ -71,10 +94,16 @@ def test_sigkill_mid_run_then_resume(
     )
     try:
         deadline = time.monotonic() + 600
+        # Killed once a chunk is committed and another is half-written (some of its objects
+        # stored, no commit record): the case resume must not take as done. The run is frozen
+        # (SIGSTOP) while that is checked, so what is checked is what the kill leaves.
         while time.monotonic() < deadline and process.poll() is None:
             if commits.is_dir() and any(p.name.endswith(".json") for p in commits.iterdir()):
-                break
-            time.sleep(0.02)
+                os.killpg(process.pid, signal.SIGSTOP)
+                if half_written_chunks(store):
+                    break
+                os.killpg(process.pid, signal.SIGCONT)
+            time.sleep(0.01)
         assert process.poll() is None, "the run ended before it could be killed"
         os.killpg(process.pid, signal.SIGKILL)  # the whole run: CLI, Prefect's temporary server
         process.wait(timeout=60)
@@ -86,6 +115,9 @@ def test_sigkill_mid_run_then_resume(
     planned = len(opened.work_chunks)
     done = opened.committed_chunks()
     assert 0 < len(done) < planned
+    half_written = half_written_chunks(store)
+    assert half_written, "expected a chunk with objects and no commit after the kill"
+    print(f"killed with {len(done)} of {planned} chunks committed; half-written: {half_written}")
     report = verify_store(opened)
     assert not report.ok and report.problems == [] and report.chunks_verified == len(done)
     reader = HiddenStatesReader(str(store))

@@ -86,3 +86,44 @@ def test_flow_parameters_render_as_a_form() -> None:
         definitions
     )
     assert settings
+
+
+def test_the_worker_restart_line_is_what_the_stack_tests_look_for(tmp_path: Path) -> None:
+    """The Prefect-stack tests fail on a worker restart by finding start-worker.sh's own line in
+    its log; if the script's words change, that check would find nothing and pass."""
+    from tests.prefect_stack import RESTART_LINE, worker_restarts
+
+    script = (ROOT / "infra" / "start-worker.sh").read_text()
+    echoed = [line for line in script.splitlines() if "echo" in line and RESTART_LINE in line]
+    assert len(echoed) == 1, f"expected one echo of {RESTART_LINE!r} in start-worker.sh"
+    log = tmp_path / "worker.log"
+    log.write_text("ok\n" + RESTART_LINE + " with status 1; restarting it in 5 s\nok\n")
+    assert worker_restarts(log) == [RESTART_LINE + " with status 1; restarting it in 5 s"]
+    assert worker_restarts(tmp_path / "absent.log") == []
+
+
+def test_the_worker_leaves_a_run_whose_last_attempt_holds_a_slot_for_the_next_poll() -> None:
+    """Prefect 3.7's worker exits when a retried run comes back while its last attempt still
+    holds a token of the ``--limit`` limiter; flows/worker_launch.py leaves such a run for the
+    next poll (a real anyio limiter, holding one run's token, as the worker's does)."""
+    import uuid
+    from types import SimpleNamespace
+
+    import anyio
+
+    from flows.worker_launch import runs_to_submit, skip_runs_still_holding_a_slot
+
+    assert skip_runs_still_holding_a_slot(), "the installed Prefect's worker cannot be patched"
+    retried, other = uuid.uuid4(), uuid.uuid4()
+    entries = [SimpleNamespace(flow_run=SimpleNamespace(id=i)) for i in (retried, other)]
+
+    async def held_by_retried() -> list[object]:
+        limiter = anyio.CapacityLimiter(2)
+        limiter.acquire_on_behalf_of_nowait(retried)
+        kept = runs_to_submit(limiter, entries)
+        with pytest.raises(RuntimeError, match="already holding"):  # what made the worker exit
+            limiter.acquire_on_behalf_of_nowait(retried)
+        return kept
+
+    assert anyio.run(held_by_retried) == [entries[1]]
+    assert runs_to_submit(None, entries) == entries

@@ -28,6 +28,7 @@ HSX_ORDER = (
     "hsx.trainers",
     "hsx.engine",
     "hsx.extraction",
+    "hsx.regeneration",
     "hsx.preflight",
     "hsx.serve",
 )

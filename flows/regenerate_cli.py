@@ -1,0 +1,128 @@
+"""``hsx regenerate``: the target model regenerates a dataset's assistant turns (a Prefect flow
+run), into a dataset ``hsx extract --dataset OUT`` reads with the generated token ids."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from flows.cli_common import build_settings_of, console
+from flows.run_guard import guarded_run
+
+
+def regenerate(
+    model: Annotated[
+        Path, typer.Option(help="Model folder (config.json, tokenizer with a chat template).")
+    ],
+    dataset: Annotated[str, typer.Option(help="Conversations, in any format `hsx extract` reads.")],
+    out: Annotated[str, typer.Option(help="Where the regenerated dataset goes (path or URL).")],
+    sampling: Annotated[
+        str | None,
+        typer.Option(help="vLLM sampling parameters as JSON: '{\"temperature\": 0.7}'."),
+    ] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Most tokens per turn.")] = None,
+    turns: Annotated[str | None, typer.Option(help="all (default) or last.")] = None,
+    on_length: Annotated[
+        str | None, typer.Option(help="A turn cut by --max-tokens: keep, mark or drop.")
+    ] = None,
+    reasoning: Annotated[
+        str | None, typer.Option(help="keep (default) or drop a turn's <think> part.")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Run seed (each turn's derives from it).")
+    ] = None,
+    chat_template_kwargs: Annotated[
+        str | None, typer.Option(help="JSON for the chat template: '{\"enable_thinking\": false}'.")
+    ] = None,
+    conversations_per_chunk: Annotated[
+        int | None, typer.Option(help="Conversations per retryable chunk.")
+    ] = None,
+    max_samples: Annotated[int | None, typer.Option(help="Only the first N conversations.")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="Engine dtype: auto, float32, bfloat16.")
+    ] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="vLLM's max_model_len.")] = None,
+    kv_cache_gib: Annotated[float | None, typer.Option(help="KV cache size (GiB).")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(help="GPUs per engine.")] = None,
+    engine_url: Annotated[
+        str | None,
+        typer.Option(help="vLLM OpenAI-compatible server URL(s), comma-separated (vllm serve)."),
+    ] = None,
+) -> None:
+    """Regenerate the assistant turns of a dataset with the target model (a Prefect flow run)."""
+    settings = build_settings_of(
+        _settings_class(),
+        model=model,
+        dataset=dataset,
+        out=out,
+        **{
+            "generation.sampling": sampling,
+            "generation.max_tokens": max_tokens,
+            "generation.turns": turns,
+            "generation.on_length": on_length,
+            "generation.reasoning": reasoning,
+            "generation.seed": seed,
+            "generation.chat_template_kwargs": chat_template_kwargs,
+            "generation.conversations_per_chunk": conversations_per_chunk,
+            "data.max_samples": max_samples,
+            "engine.dtype": dtype,
+            "engine.max_model_len": max_model_len,
+            "engine.kv_cache_memory_gib": kv_cache_gib,
+            "engine.tensor_parallel_size": tensor_parallel_size,
+            "engine.url": engine_url,
+        },
+    )
+    raise typer.Exit(run_regeneration(settings))
+
+
+def _settings_class() -> Any:
+    from settings.regenerate import RegenerateSettings
+
+    return RegenerateSettings
+
+
+def run_regeneration(settings: Any) -> int:
+    from hsx.errors import HsxError
+    from hsx.regeneration.run import load_tokenizer, plan_regeneration
+
+    try:
+        # Seconds, before Prefect and the engine start: a bad row, sampling parameter or model
+        # fails here.
+        plan_regeneration(settings, load_tokenizer(settings.model))
+    except HsxError as exc:
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
+        return 2
+    prefect_home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
+    with guarded_run(prefect_home / "hsx-servers") as stop:
+        code = _run_flow(settings)
+    if stop.signum is not None:
+        sys.stdout.flush()
+        os._exit(code)
+    return code
+
+
+def _run_flow(settings: Any) -> int:
+    from flows.regenerate import RegenerationIncompleteError, regenerate_flow
+    from hsx.errors import HsxError
+
+    try:
+        summary = regenerate_flow(settings)
+    except RegenerationIncompleteError as exc:
+        console.print(f"[bold red]regeneration incomplete:[/] {exc}", soft_wrap=True)
+        return 1
+    except HsxError as exc:
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
+        return 2
+    table = Table(title="hsx regenerate", show_header=False)
+    for key, value in summary.items():
+        table.add_row(key.replace("_", " "), str(value))
+    console.print(table)
+    console.print(
+        f"extract it with: hsx extract --model {settings.model} --dataset {settings.out} ..."
+    )
+    return 0

@@ -1,0 +1,247 @@
+"""Text generation behind one interface, with two homes chosen once (``make_generator``): vLLM's
+``LLM`` in this process (its engine core here or in a child process, engine.in_process), or
+vLLM OpenAI-compatible servers (engine.url: ``vllm serve``, one or several). Callers never
+branch on where the engine lives.
+
+Generation runs on a plain engine: hsx's extraction engine (vLLM's extract_hidden_states method
+and hsx's connector) captures the states of every token it computes and is not built to decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hsx.engine.options import engine_kwargs
+from hsx.engine.platform import request_amx
+from hsx.engine.server_protocol import authorization_header
+from hsx.errors import ConfigError, EngineError
+from hsx.regeneration.turns import GeneratedText
+from settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+# Keys of engine_kwargs that make an extraction engine: a generation engine drops them.
+_EXTRACTION_ONLY = ("speculative_config", "kv_transfer_config")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]  # [tokens]
+    max_tokens: int
+    seed: int
+
+
+def sampling_fields() -> frozenset[str]:
+    """The sampling parameters the installed vLLM knows (its SamplingParams' fields)."""
+    from vllm import SamplingParams
+
+    fields = getattr(SamplingParams, "__struct_fields__", None) or getattr(
+        SamplingParams, "__dataclass_fields__", {}
+    )
+    return frozenset(name for name in fields if not name.startswith("_"))
+
+
+def check_sampling(sampling: dict[str, Any]) -> None:
+    """Refuse sampling parameters vLLM does not know, or values it rejects, before any load:
+    ConfigError naming the key (and the closest known) or vLLM's own message."""
+    import difflib
+
+    from vllm import SamplingParams
+
+    known = sampling_fields()
+    for key in sampling:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"expected one of {sorted(known)}"
+            raise ConfigError(
+                f"generation.sampling: vLLM's SamplingParams has no parameter {key!r}: {hint}"
+            )
+    try:
+        SamplingParams(**sampling, max_tokens=1, seed=0)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"generation.sampling {sampling}: vLLM refused it: {exc}") from exc
+
+
+class TextGenerator(ABC):
+    """Prompts of token ids in, each one's generated token ids, text and finish reason out."""
+
+    @abstractmethod
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
+    ) -> list[GeneratedText]:
+        """One answer per request, in order. Raises EngineError when the engine failed."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Where it runs, for run records and logs."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Free the engine."""
+
+
+class LocalGenerator(TextGenerator):
+    """vLLM's ``LLM`` in this process. Built at the first request; rebuilt after an engine
+    death, so a retried chunk gets a fresh engine."""
+
+    def __init__(self, model_dir: Path, engine: EngineSettings) -> None:
+        self.model_dir = model_dir
+        self.engine = engine
+        self._llm: Any = None
+        self._lock = threading.Lock()  # vLLM's LLM is driven by one thread at a time
+
+    def _loaded(self) -> Any:
+        if self._llm is None:
+            request_amx()  # before any vLLM kernel runs here: an AMX instruction would SIGILL
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.engine.in_process else "1"
+            if not self.engine.in_process:
+                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            from vllm import LLM
+
+            kwargs = generation_kwargs(self.model_dir, self.engine)
+            self._llm = LLM(**kwargs)
+        return self._llm
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
+    ) -> list[GeneratedText]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        with self._lock:
+            try:
+                llm = self._loaded()
+                outputs = llm.generate(
+                    [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
+                    [
+                        SamplingParams(**sampling, max_tokens=r.max_tokens, seed=r.seed)
+                        for r in requests
+                    ],
+                    use_tqdm=False,
+                )
+            except Exception as exc:
+                self._drop()
+                raise EngineError(f"vLLM generation failed: {exc!r}") from exc
+        return [_answer(output.outputs[0]) for output in outputs]
+
+    def describe(self) -> dict[str, Any]:
+        return {"home": "local", "in_process": self.engine.in_process}
+
+    def _drop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as exc:  # already dead: nothing to free
+                logger.debug("engine shutdown after a failure: %r", exc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+def _answer(completion: Any) -> GeneratedText:
+    return GeneratedText(
+        token_ids=tuple(int(t) for t in completion.token_ids),
+        text=str(completion.text),
+        finish_reason=str(completion.finish_reason),
+    )
+
+
+def generation_kwargs(model_dir: Path, engine: EngineSettings) -> dict[str, Any]:
+    """``vllm.LLM`` arguments of a plain engine with extraction's own choices (dtype, lengths,
+    attention backend, KV cache): what extraction runs, without capture, with prefix caching
+    (each turn's prompt starts with the one before it)."""
+    kwargs = engine_kwargs(model_dir, engine, [], sink_id="", spool_dir="")
+    for key in _EXTRACTION_ONLY:
+        kwargs.pop(key, None)
+    kwargs["enable_prefix_caching"] = True
+    return kwargs
+
+
+class ServedGenerator(TextGenerator):
+    """vLLM OpenAI-compatible servers (``/v1/completions`` with prompt token ids and
+    ``return_token_ids``), requests spread over them and sent concurrently."""
+
+    def __init__(self, urls: Sequence[str], api_key: str | None, timeout_s: float) -> None:
+        if not urls:
+            raise ConfigError("engine.url: expected at least one server URL, found none")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.headers = authorization_header(api_key)
+        self.http = httpx.Client(timeout=timeout_s)
+        self.models = {url: self._model_name(url) for url in self.urls}
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hsx-generate")
+
+    def _model_name(self, url: str) -> str:
+        try:
+            response = self.http.get(f"{url}/v1/models", headers=self.headers)
+            response.raise_for_status()
+            return str(response.json()["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            raise EngineError(
+                f"engine.url {url}: expected /v1/models to name a model: {exc!r}"
+            ) from exc
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
+    ) -> list[GeneratedText]:
+        jobs = [
+            self.pool.submit(self._one, self.urls[i % len(self.urls)], request, sampling)
+            for i, request in enumerate(requests)
+        ]
+        return [job.result() for job in jobs]
+
+    def _one(self, url: str, request: GenerationRequest, sampling: dict[str, Any]) -> GeneratedText:
+        body = {
+            **sampling,
+            "model": self.models[url],
+            "prompt": request.prompt_ids,
+            "max_tokens": request.max_tokens,
+            "seed": request.seed,
+            "return_token_ids": True,
+        }
+        try:
+            response = self.http.post(f"{url}/v1/completions", json=body, headers=self.headers)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine.url {url}: completion request failed: {exc!r}") from exc
+        if response.status_code != 200:
+            raise EngineError(
+                f"engine.url {url}: expected HTTP 200 for a completion, found "
+                f"{response.status_code}: {response.text[:500]}"
+            )
+        choice = response.json()["choices"][0]
+        ids = choice.get("token_ids")
+        if ids is None:
+            raise EngineError(
+                f"engine.url {url}: expected token_ids in the answer (return_token_ids), found "
+                f"keys {sorted(choice)}: the server's vLLM is too old"
+            )
+        return GeneratedText(
+            token_ids=tuple(int(t) for t in ids),
+            text=str(choice.get("text") or ""),
+            finish_reason=str(choice.get("finish_reason")),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"home": "served", "urls": self.urls}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
+
+def make_generator(model_dir: Path, engine: EngineSettings, timeout_s: float) -> TextGenerator:
+    """The generator for these settings: servers where engine.url names them, else local."""
+    if engine.url:
+        key = engine.api_key.get_secret_value() if engine.api_key else None
+        return ServedGenerator(engine.url, key, timeout_s)
+    return LocalGenerator(model_dir, engine)

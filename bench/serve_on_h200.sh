@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 13 on the lent H200, in the call that carries the pack's last part (../shared/gpu) and
-# .gpu/extras.tar.xz: what vLLM's server needs beyond the pack (uvicorn, uvloop, prometheus,
-# aiohttp, ...), put on sys.path *after* the machine's own packages (sitecustomize), so that
-# what the machine has wins. Then `hsx serve` on the GPU (preflight, probe, vLLM's server) and
-# bench/bench_serve.py --gpu: served vs plain-through-the-server vs in-process, one run.
+# .gpu/extras.tar.xz (`bash scripts/pack-serve-extras.sh .gpu` makes it): what vLLM's server
+# needs beyond the pack (uvicorn, uvloop, prometheus, aiohttp, ...), put on sys.path *after* the
+# machine's own packages (sitecustomize), so that what the machine has wins. Then `hsx serve` on
+# the GPU (preflight, probe, vLLM's server) and bench/bench_serve.py --gpu: served vs
+# plain-through-the-server vs in-process, one run.
 #   ROUNDS=3 CONV=400 [SERVERS=2] bash bench/serve_on_h200.sh
 # SERVERS=2: two servers on the one GPU (half its memory each) feeding one run (issue 14's
 # data-parallel case, as far as one GPU shows it).

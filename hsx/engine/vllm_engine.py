@@ -29,6 +29,7 @@ import torch
 from hsx import timings
 from hsx.engine import connector as hsx_connector
 from hsx.engine.capture_checks import CapturedDataError, check_token_ids
+from hsx.engine.core_watch import watch_engine_core
 from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
 from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
@@ -263,27 +264,10 @@ class VllmHiddenStateEngine:
             self._fail_waiters(EngineError(f"vLLM engine failed: {exc!r}{death}"))
 
     def _watch_engine_core(self) -> None:
-        """Wake the driver when the engine core's process dies. vLLM's own monitor marks the
-        client dead and shuts it down, but its sync client's get_output() then waits forever on
-        an output queue nobody fills (seen: a SIGKILLed core hung the run for 10 minutes). The
-        contract (``resources.engine_dead``, ``outputs_queue``) is detected here; an in-process
-        core has neither, and nothing to watch."""
-        core = getattr(self._llm.llm_engine, "engine_core", None)
-        resources = getattr(core, "resources", None)
-        outputs = getattr(core, "outputs_queue", None)
-        if resources is None or outputs is None or not hasattr(resources, "engine_dead"):
-            return
-        while not self._closed and self._failure is None:
-            if resources.engine_dead:
-                manager = getattr(resources, "engine_manager", None)
-                processes = list(getattr(manager, "processes", None) or [])
-                self._core_death = "engine core " + (
-                    ", ".join(_exit_description(p) for p in processes) or "process died"
-                )
-                logger.error("vLLM %s", self._core_death)
-                outputs.put_nowait(EngineError(f"vLLM {self._core_death}"))
-                return
-            time.sleep(0.2)
+        """Wake the driver when the engine core's process dies (hsx.engine.core_watch)."""
+        death = watch_engine_core(self._llm, lambda: not self._closed and self._failure is None)
+        if death is not None:
+            self._core_death = death
 
     def _add_batch(self, engine: Any, batch: list[_Pending], params: Any, packed: Any) -> None:
         """Add a submitted batch's requests to the engine (in the driver thread)."""
@@ -383,22 +367,6 @@ class VllmHiddenStateEngine:
         for leftover in Path(self._spool).glob("*"):
             leftover.unlink(missing_ok=True)
         os.rmdir(self._spool)
-
-
-def _exit_description(process: Any) -> str:
-    """'process 123 died of SIGKILL' / 'process 123 exited with 1' / 'process 123 running'."""
-    import signal
-
-    code = getattr(process, "exitcode", None)
-    pid = getattr(process, "pid", "?")
-    if code is None:
-        return f"process {pid} still running"
-    if code < 0:
-        try:
-            return f"process {pid} died of {signal.Signals(-code).name}"
-        except ValueError:
-            return f"process {pid} died of signal {-code}"
-    return f"process {pid} exited with {code}"
 
 
 # ---- one engine per process, keyed by what builds it ------------------------------------------

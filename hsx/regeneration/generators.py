@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from hsx.engine.core_watch import watch_engine_core
 from hsx.engine.options import engine_kwargs
 from hsx.engine.platform import request_amx
 from hsx.engine.server_protocol import authorization_header
@@ -108,7 +109,15 @@ class LocalGenerator(TextGenerator):
             from vllm import LLM
 
             kwargs = generation_kwargs(self.model_dir, self.engine)
-            self._llm = LLM(**kwargs)
+            llm = LLM(**kwargs)
+            self._llm = llm
+            # A core process killed mid-generate would leave generate() waiting forever.
+            threading.Thread(
+                target=watch_engine_core,
+                args=(llm, lambda: self._llm is llm),
+                name="hsx-generation-core-watch",
+                daemon=True,
+            ).start()
         return self._llm
 
     def generate(

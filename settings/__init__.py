@@ -12,15 +12,18 @@ from settings.models import (
     TimeoutSettings,
 )
 from settings.preflight import PreflightSettings
+from settings.regenerate import GenerationSettings, RegenerateSettings
 from settings.serve import ServerSettings, ServeSettings
 
 __all__ = [
     "CaptureSettings",
     "DataSettings",
     "EngineSettings",
+    "GenerationSettings",
     "HsxSettings",
     "PipelineSettings",
     "PreflightSettings",
+    "RegenerateSettings",
     "RunSettings",
     "ServeSettings",
     "ServerSettings",

@@ -449,8 +449,9 @@ class HsxSettings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _known_keys_only(cls, data: Any) -> Any:
-        # HSX_SERVER__*: `hsx serve`'s own section (settings.serve), which may share the file.
-        return refuse_unknown_keys(cls, data, frozenset({"server"}))
+        # HSX_SERVER__*: `hsx serve`'s own section (settings.serve); HSX_GENERATION__* and
+        # HSX_OUT: `hsx regenerate`'s (settings.regenerate). They may share the file.
+        return refuse_unknown_keys(cls, data, frozenset({"server", "generation", "out"}))
 
     @field_validator("dataset", mode="before")
     @classmethod

@@ -145,7 +145,9 @@ class ServerSettings(StrictSection):
 
 # The sections of HsxSettings that a server does not read: their variables may share its
 # environment file.
-_EXTRACTION_ONLY = frozenset({"dataset", "store", "data", "layout", "run", "pipeline"})
+_EXTRACTION_ONLY = frozenset(
+    {"dataset", "store", "data", "layout", "run", "pipeline", "generation", "out"}
+)
 
 
 class ServeSettings(BaseSettings):

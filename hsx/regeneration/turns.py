@@ -198,23 +198,26 @@ class ConversationRegeneration:
         )
 
     def _message(self, generated: GeneratedText, train: bool) -> tuple[dict[str, Any], list[int]]:
-        """The assistant message and the loss mask of the generated ids."""
-        ids = generated.token_ids
+        """The assistant message and the loss mask of the generated ids. Reasoning dropped: the
+        ids through the end-of-thinking token go to reasoning_content, untrained (split by id:
+        the token may be one a decode skips)."""
+        ids = list(generated.token_ids)
         mask = [int(train)] * len(ids)
-        content = generated.text
-        if self.policy.reasoning == "drop" and END_OF_THINKING in content:
-            thinking, _, content = content.partition(END_OF_THINKING)
-            end = self.policy.end_of_thinking_id
-            if end is not None and end in ids:
-                upto = ids.index(end) + 1
-                mask[:upto] = [0] * upto
-            message = {
-                "role": "assistant",
-                "content": content.lstrip(),
-                "reasoning_content": thinking,
-            }
-            return message, mask
-        return {"role": "assistant", "content": content}, mask
+        end = self.policy.end_of_thinking_id
+        if self.policy.reasoning != "drop" or end is None or end not in ids:
+            return {"role": "assistant", "content": generated.text}, mask
+        upto = ids.index(end) + 1
+        thinking = self.template.decode(tuple(ids[: upto - 1]))
+        content = self.template.decode(tuple(ids[upto:])).lstrip()
+        if not content.strip():
+            raise SampleError(
+                f"{self.where}: expected an answer after the reasoning of assistant message "
+                f"{self.targets[len(self.turns)]}, found none "
+                f"(finish_reason {generated.finish_reason!r})"
+            )
+        mask[:upto] = [0] * upto
+        thinking = thinking.strip().removeprefix("<think>").strip()
+        return {"role": "assistant", "content": content, "reasoning_content": thinking}, mask
 
     def _closing(self, target: int, content: str, generated: GeneratedText) -> list[int]:
         """The ids the template puts after the turn's content that the engine did not produce."""

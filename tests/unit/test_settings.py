@@ -218,3 +218,29 @@ def test_a_run_hsx_makes_itself_ignores_the_users_environment(
     assert probe.data.max_samples is None and probe.engine.dtype == "auto"
     with pytest.raises(ValidationError, match="did you mean model"):
         SettingsWithoutEnvironment(modle=Path("m"), dataset=Path("d"), store="memory://p")
+
+
+def test_regeneration_settings_share_the_environment_file_and_refuse_typos(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One environment file serves extraction, serving and regeneration: each reads its own
+    sections, passes over the others', and a typo in any is refused naming the closest."""
+    from settings import RegenerateSettings, ServeSettings
+
+    monkeypatch.setenv("HSX_GENERATION__MAX_TOKENS", "64")
+    monkeypatch.setenv("HSX_LAYOUT__ROWS_PER_CHUNK", "128")  # extraction's own
+    monkeypatch.setenv("HSX_ENGINE__DTYPE", "float32")  # shared
+    regenerate = RegenerateSettings(model="m", dataset="d", out="o")
+    assert regenerate.generation.max_tokens == 64 and regenerate.engine.dtype == "float32"
+    assert HsxSettings(model="m", dataset="d", store="s").layout.rows_per_chunk == 128
+    assert ServeSettings(model="m").engine.dtype == "float32"
+    monkeypatch.setenv("HSX_GENERATION__MAX_TOKEN", "64")
+    with pytest.raises(
+        ValidationError, match=r"HSX_GENERATION__MAX_TOKEN\): did you mean generation.max_tokens\?"
+    ):
+        RegenerateSettings(model="m", dataset="d", out="o")
+    monkeypatch.delenv("HSX_GENERATION__MAX_TOKEN")
+    with pytest.raises(ValidationError, match=r"expected no seed in sampling"):
+        RegenerateSettings(model="m", dataset="d", out="o", generation={"sampling": {"seed": 1}})
+    with pytest.raises(ValidationError, match=r"expected a JSON object, found '\[1\]'"):
+        RegenerateSettings(model="m", dataset="d", out="o", generation={"sampling": "[1]"})

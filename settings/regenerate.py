@@ -67,14 +67,15 @@ class GenerationSettings(StrictSection):
     @field_validator("sampling", "chat_template_kwargs", mode="before")
     @classmethod
     def _json_object(cls, value: Any) -> Any:
+        parsed = value
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                parsed = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"expected a JSON object, found {value!r}: {exc}") from exc
-        if not isinstance(value, dict):
+        if not isinstance(parsed, dict):
             raise ValueError(f"expected a JSON object, found {value!r}")
-        return value
+        return parsed
 
     @field_validator("sampling")
     @classmethod

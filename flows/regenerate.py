@@ -21,13 +21,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.reporting import settings_from_parameters
 from hsx.regeneration.generators import make_generator
 from hsx.regeneration.output import RegeneratedOutput
-from hsx.regeneration.run import RegenerationRun
+from hsx.regeneration.run import CHUNKS_IN_FLIGHT, RegenerationRun
 from settings.regenerate import RegenerateSettings
 from tasks.common import backoff, describe
 from tasks.regenerate import plan_regeneration_task, regenerate_chunk_task
-
-# Chunks in flight: the engine generates one chunk's turn while the other's rows are written.
-CHUNKS_IN_FLIGHT = 2
 
 
 class RegenerationIncompleteError(RuntimeError):

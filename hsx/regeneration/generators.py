@@ -10,7 +10,6 @@ and hsx's connector) captures the states of every token it computes and is not b
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -21,11 +20,10 @@ from typing import Any
 
 import httpx
 
-from hsx.engine.core_watch import watch_engine_core
 from hsx.engine.options import engine_kwargs
-from hsx.engine.platform import request_amx
 from hsx.engine.server_protocol import authorization_header
 from hsx.errors import ConfigError, EngineError
+from hsx.regeneration.local_engine import GenerationDriver
 from hsx.regeneration.turns import GeneratedText
 from settings import EngineSettings
 
@@ -91,79 +89,50 @@ class TextGenerator(ABC):
 
 
 class LocalGenerator(TextGenerator):
-    """vLLM's ``LLM`` in this process. Built at the first request; rebuilt after an engine
-    death, so a retried chunk gets a fresh engine."""
+    """vLLM's engine in this process (hsx.regeneration.local_engine): built at the first
+    request; rebuilt after an engine death, so a retried chunk gets a fresh engine. Chunks
+    generating at once share the engine's batches."""
 
     def __init__(self, model_dir: Path, engine: EngineSettings) -> None:
         self.model_dir = model_dir
         self.engine = engine
-        self._llm: Any = None
-        self._lock = threading.Lock()  # vLLM's LLM is driven by one thread at a time
+        self._driver: GenerationDriver | None = None
+        self._lock = threading.Lock()
 
-    def _loaded(self) -> Any:
-        if self._llm is None:
-            request_amx()  # before any vLLM kernel runs here: an AMX instruction would SIGILL
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.engine.in_process else "1"
-            if not self.engine.in_process:
-                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-            from vllm import LLM
-
-            kwargs = generation_kwargs(self.model_dir, self.engine)
-            llm = LLM(**kwargs)
-            self._llm = llm
-            # A core process killed mid-generate would leave generate() waiting forever.
-            threading.Thread(
-                target=watch_engine_core,
-                args=(llm, lambda: self._llm is llm),
-                name="hsx-generation-core-watch",
-                daemon=True,
-            ).start()
-        return self._llm
+    def _running(self) -> GenerationDriver:
+        with self._lock:
+            if self._driver is None or not self._driver.alive:
+                self._driver = GenerationDriver(
+                    generation_kwargs(self.model_dir, self.engine), self.engine
+                )
+            return self._driver
 
     def generate(
         self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
     ) -> list[GeneratedText]:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        with self._lock:
-            try:
-                llm = self._loaded()
-                outputs = llm.generate(
-                    [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
-                    [
-                        SamplingParams(**sampling, max_tokens=r.max_tokens, seed=r.seed)
-                        for r in requests
-                    ],
-                    use_tqdm=False,
-                )
-            except Exception as exc:
-                self._drop()
-                raise EngineError(f"vLLM generation failed: {exc!r}") from exc
-        return [_answer(output.outputs[0]) for output in outputs]
+        futures = self._running().submit(
+            [
+                (r.prompt_ids, SamplingParams(**sampling, max_tokens=r.max_tokens, seed=r.seed))
+                for r in requests
+            ]
+        )
+        return [future.result() for future in futures]
+
+    @property
+    def llm(self) -> Any:
+        """The loaded ``vllm.LLM`` (GenerationDriver.llm says when it may be used)."""
+        return self._running().llm
 
     def describe(self) -> dict[str, Any]:
         return {"home": "local", "in_process": self.engine.in_process}
 
-    def _drop(self) -> None:
-        llm, self._llm = self._llm, None
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception as exc:  # already dead: nothing to free
-                logger.debug("engine shutdown after a failure: %r", exc)
-
     def close(self) -> None:
         with self._lock:
-            self._drop()
-
-
-def _answer(completion: Any) -> GeneratedText:
-    return GeneratedText(
-        token_ids=tuple(int(t) for t in completion.token_ids),
-        text=str(completion.text),
-        finish_reason=str(completion.finish_reason),
-    )
+            driver, self._driver = self._driver, None
+        if driver is not None:
+            driver.close()
 
 
 def generation_kwargs(model_dir: Path, engine: EngineSettings) -> dict[str, Any]:

@@ -45,6 +45,10 @@ from settings.regenerate import RegenerateSettings
 
 logger = logging.getLogger(__name__)
 
+# Chunks generating at once: their turns share the engine's batches, so one chunk's last long
+# answers overlap the next chunk's first turn instead of leaving the engine half idle.
+CHUNKS_IN_FLIGHT = 3
+
 
 def turn_seed(run_seed: int, sample_id: str, message: int) -> int:
     """The seed of one turn of one sample: the same on every attempt, whatever the batch."""

@@ -63,6 +63,13 @@ def test_three_deployments_run_with_partial_parameters(stack: Stack, tmp_path: P
     )
     assert exported["state_type"] == "COMPLETED", exported["state"]["message"]
     assert (tmp_path / "exported" / "hsx-export.json").is_file()  # the deployment's speculators
+    regenerated = tmp_path / "regenerated"
+    partial = {"out": str(regenerated), "data": {"max_samples": 4}, "generation": {"max_tokens": 8}}
+    regeneration = stack.wait(stack.run("hsx-regenerate", "regenerate", {"settings": partial}))
+    assert regeneration["state_type"] == "COMPLETED", regeneration["state"]["message"]
+    manifest = json.loads((regenerated / "hsx-regeneration.json").read_text())
+    assert manifest["frozen_inputs"]["sampling"] == {"temperature": 0.7}  # the deployment's
+    assert manifest["conversations"] == 4 and len(list((regenerated / "commits").iterdir())) == 1
 
     opened = ExtractionStore.open(store)
     assert opened.meta["settings"]["run"]["retries"] == 2  # the deployment's, merged

@@ -150,7 +150,7 @@ def test_sigkill_then_resume_generates_the_same_tokens_and_refuses_changed_sampl
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and process.poll() is None:
-            if (out / "commits").is_dir() and any((out / "commits").iterdir()):
+            if commits_of(out):  # a whole record (not the temporary file before its link)
                 break
             time.sleep(0.02)
         assert process.poll() is None, "the run ended before it could be killed"
@@ -355,7 +355,7 @@ def test_a_chunk_whose_engine_dies_is_retried_alone(
         deadline = time.monotonic() + 600
         killed_at = None
         while time.monotonic() < deadline and process.poll() is None and killed_at is None:
-            if (out / "commits").is_dir() and any((out / "commits").iterdir()):
+            if commits_of(out):  # a whole record (not the temporary file before its link)
                 for child in psutil.Process(process.pid).children(recursive=True):
                     try:
                         if "EngineCore" in child.name() + " ".join(child.cmdline()):

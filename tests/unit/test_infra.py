@@ -37,7 +37,16 @@ def test_deployment_entrypoints_and_parameters_are_valid() -> None:
         "preflight": "hsx-preflight",
         "verify": "hsx-verify",
         "export": "hsx-export",
+        "regenerate": "hsx-regenerate",
     }
+    (regenerate,) = [d for d in spec["deployments"] if d["name"] == "regenerate"]
+    rendered = yaml.safe_load(
+        yaml.safe_dump(regenerate["parameters"]["settings"]).replace("{{ $HSX_REPO }}", str(ROOT))
+    )
+    from settings import RegenerateSettings
+
+    regeneration = RegenerateSettings.model_validate(rendered)
+    assert regeneration.generation.sampling == {"temperature": 0.7}
     for name in ("extract", "extract-served"):
         (extract,) = [d for d in spec["deployments"] if d["name"] == name]
         rendered = yaml.safe_load(

@@ -36,7 +36,14 @@ def test_the_ui_shows_the_api_of_its_own_port(stack: Stack) -> None:
     settings = httpx.get(f"http://127.0.0.1:{stack.port}/ui-settings", timeout=30).json()
     assert settings["api_url"] == stack.api
     names = {d["name"]: d for d in stack.call("POST", "/deployments/filter", json={}).json()}
-    assert set(names) == {"extract", "extract-served", "preflight", "verify", "export"}
+    assert set(names) == {
+        "extract",
+        "extract-served",
+        "preflight",
+        "verify",
+        "export",
+        "regenerate",
+    }
     assert names["verify"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
     extract = names["extract"]["parameters"]["settings"]
     assert extract["model"] == f"{REPO_ROOT}/models/tiny-llama"  # usable as it is

@@ -94,6 +94,14 @@ class RegeneratedOutput:
                 "to start over."
             )
 
+    def committed_indices(self) -> set[int]:
+        """The chunks with a commit record (one listing, no record read)."""
+        return set(self._io(self.root, "list", lambda: committed_parts(self.fs, self.root)))
+
+    def is_committed(self, index: int) -> bool:
+        path = self._commit_path(index)
+        return bool(self._io(path, "check", lambda: self.fs.exists(path)))
+
     def committed(self) -> dict[int, dict[str, Any]]:
         found = {}
         for index in sorted(committed_parts(self.fs, self.root)):
@@ -111,7 +119,7 @@ class RegeneratedOutput:
         """The part's rows (atomically), then its commit record, created once. False when
         another attempt had committed the chunk (its record stands; this one's rows, generated
         from the same seeds, replaced the part's bytes only if equal digests say so)."""
-        if self.fs.exists(self._commit_path(index)):
+        if self.is_committed(index):
             return False
         for folder in (DATA_DIR, COMMITS_DIR):
             path = f"{self.root}/{folder}"

@@ -164,12 +164,12 @@ class RegenerationRun:
         self.output = output
 
     def pending(self) -> list[int]:
-        done = self.output.committed()
+        done = self.output.committed_indices()
         return [i for i in range(len(self.plan.chunks)) if i not in done]
 
     def regenerate(self, index: int, run_id: str, attempt: int) -> PartCommit | None:
         """Generate chunk ``index`` and commit it; None when it was committed already."""
-        if index in self.output.committed():
+        if self.output.is_committed(index):
             return None
         started = time.perf_counter()
         tally = _ChunkTally()

@@ -30,6 +30,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# NVLink multicast stays off in every engine hsx starts (tensor parallelism through NCCL): the
+# lent multi-GPU hosts' docs ask for it, and a team's nodes are not different.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from flows.cli_common import build_settings
 from flows.export_cli import export, vocab

@@ -136,3 +136,26 @@ def test_the_worker_leaves_a_run_whose_last_attempt_holds_a_slot_for_the_next_po
 
     assert anyio.run(held_by_retried) == [entries[1]]
     assert runs_to_submit(None, entries) == entries
+
+
+def test_every_hsx_command_keeps_nvlink_multicast_off() -> None:
+    """The CLI sets NCCL_NVLS_ENABLE=0 before any engine (or its TP workers) start; a value the
+    user set stays."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import os, flows.cli; print(os.environ['NCCL_NVLS_ENABLE'])"
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_NVLS_ENABLE"}
+    unset = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert unset.stdout.strip() == "0", unset.stderr[-2000:]
+    chosen = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "NCCL_NVLS_ENABLE": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert chosen.stdout.strip() == "1", chosen.stderr[-2000:]

@@ -35,7 +35,8 @@ def current_attempt(flow: str) -> RunAttempt:
 
 
 def settings_from_parameters(
-    given: SettingsModel | dict[str, Any], model: type[SettingsModel] = HsxSettings  # type: ignore[assignment]
+    given: SettingsModel | dict[str, Any],
+    model: type[SettingsModel] = HsxSettings,  # type: ignore[assignment]
 ) -> SettingsModel:
     """The run's settings (``model``: HsxSettings, RegenerateSettings). From a deployment, a
     run's ``settings`` parameter is partial: it is merged over the deployment's own ``settings``

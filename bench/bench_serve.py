@@ -298,6 +298,9 @@ def main() -> None:
         help="servers of one run (>1: on one GPU they share it, and no in-process side runs)",
     )
     parser.add_argument("--config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b"))
+    parser.add_argument(
+        "--config-override", default="", help="key=json,... over the config (bench_gpu.prepare)"
+    )
     args = parser.parse_args()
     if args.child:
         spec = json.loads(Path(args.child[1]).read_text())

@@ -11,7 +11,7 @@ The sides alternate for ``--rounds`` rounds; the ratio is of generated tokens pe
 side's generated ids must be equal (same prompts, same seeds): asserted.
 
     python bench/bench_regenerate.py [--conversations 400] [--max-tokens 256] [--rounds 2]
-        [--config tests/fixtures/configs/llama-3.1-8b] [--kv-cache-gib 40] [--tiny]
+        [--config tests/fixtures/configs/llama-3.1-8b] [--kv-cache-gib 40] [--tiny] [--child]
 
 ``--tiny`` runs it on the CPU with the tiny Llama (to test this script; CPU figures are not the
 goal's).
@@ -63,7 +63,7 @@ def settings_for(
     trained tokenizer cannot decode (every turn would be empty text)."""
     from settings import RegenerateSettings
 
-    engine: dict[str, Any] = {"dtype": "bfloat16", "in_process": True}
+    engine: dict[str, Any] = {"dtype": "bfloat16", "in_process": not args.child}
     if args.tiny:
         engine |= {"max_model_len": 2048, "kv_cache_memory_gib": 0.5, "dtype": "float32"}
     else:
@@ -155,6 +155,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b"))
     parser.add_argument("--kv-cache-gib", type=float, default=40.0)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--child", action="store_true", help="the engine core in a child process (vLLM's default)"
+    )
     args = parser.parse_args()
     if args.tiny:
         args.conversations, args.max_tokens, args.chunk = min(args.conversations, 24), 16, 8
@@ -203,7 +206,8 @@ def main() -> None:
             shutil.rmtree(settings.out, ignore_errors=True)
         print(
             f"REGENERATION {len(rows)} conversations, max_tokens {args.max_tokens}, chunks of "
-            f"{args.chunk}: hsx/plain tokens/s median {statistics.median(results['ratio']):.3f} "
+            f"{args.chunk}, engine core {'in a child process' if args.child else 'in-process'}: "
+            f"hsx/plain tokens/s median {statistics.median(results['ratio']):.3f} "
             f"(rounds {', '.join(f'{r:.3f}' for r in results['ratio'])}); hsx "
             f"{statistics.median(results['hsx']):.0f} tokens/s, plain "
             f"{statistics.median(results['plain']):.0f} tokens/s"

@@ -3,6 +3,7 @@
 # README): unpack, then bench/bench_regenerate.py (regeneration against plain LLM.generate on the
 # same engine, prompts, sampling and seeds; Llama-3.1-8B shape, dummy bf16 weights).
 #   CONV=400 MAX_TOKENS=256 ROUNDS=2 bash bench/regenerate_on_gpu.sh
+# ENGINES=inproc,child runs the bench once per engine home, one after the other.
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 if [ ! -d /tmp/site/vllm ]; then
@@ -11,6 +12,9 @@ fi
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
   PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 VLLM_LOGGING_LEVEL=WARNING
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout "${BENCH_TIMEOUT:-480}" python3 bench/bench_regenerate.py --conversations "${CONV:-400}" \
-  --max-tokens "${MAX_TOKENS:-256}" --rounds "${ROUNDS:-2}" --kv-cache-gib "${KV:-40}" \
-  2>&1 | tee "$out/regenerate.log" | grep -v -i "warn" | tail -30
+for home in $(echo "${ENGINES:-inproc}" | tr , ' '); do
+  flag=""; [ "$home" = child ] && flag=--child
+  timeout "${BENCH_TIMEOUT:-480}" python3 bench/bench_regenerate.py --conversations "${CONV:-400}" \
+    --max-tokens "${MAX_TOKENS:-256}" --rounds "${ROUNDS:-2}" --kv-cache-gib "${KV:-40}" $flag \
+    2>&1 | tee "$out/regenerate-$home.log" | grep -v -i "warn" | grep -E "^(round|REGEN|Trace|  |[A-Za-z]*Error)" | tail -30
+done

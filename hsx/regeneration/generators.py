@@ -13,7 +13,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,9 @@ from hsx.regeneration.turns import GeneratedText
 from settings import EngineSettings
 
 logger = logging.getLogger(__name__)
+
+# Completions a served generator keeps in flight across all its servers.
+SERVED_IN_FLIGHT = 1024
 
 # Keys of engine_kwargs that make an extraction engine: a generation engine drops them.
 _EXTRACTION_ONLY = ("speculative_config", "kv_transfer_config")
@@ -75,10 +78,18 @@ class TextGenerator(ABC):
     """Prompts of token ids in, each one's generated token ids, text and finish reason out."""
 
     @abstractmethod
+    def submit(
+        self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
+    ) -> list[Future[GeneratedText]]:
+        """One future per request, in order, each completed as its answer arrives (so a caller
+        can send a conversation's next turn while others still generate). A future raises
+        EngineError when the engine failed."""
+
     def generate(
         self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
     ) -> list[GeneratedText]:
         """One answer per request, in order. Raises EngineError when the engine failed."""
+        return [future.result() for future in self.submit(requests, sampling)]
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -107,18 +118,25 @@ class LocalGenerator(TextGenerator):
                 )
             return self._driver
 
-    def generate(
+    def submit(
         self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
-    ) -> list[GeneratedText]:
+    ) -> list[Future[GeneratedText]]:
         from vllm import SamplingParams
 
-        futures = self._running().submit(
+        # hsx decodes each turn from its ids itself; vLLM's incremental detokenizer (per token,
+        # on the thread that steps the engine) is needed only to match stop strings.
+        detokenize = bool(sampling.get("stop"))
+        return self._running().submit(
             [
-                (r.prompt_ids, SamplingParams(**sampling, max_tokens=r.max_tokens, seed=r.seed))
+                (
+                    r.prompt_ids,
+                    SamplingParams(
+                        **sampling, max_tokens=r.max_tokens, seed=r.seed, detokenize=detokenize
+                    ),
+                )
                 for r in requests
             ]
         )
-        return [future.result() for future in futures]
 
     @property
     def llm(self) -> Any:
@@ -155,9 +173,16 @@ class ServedGenerator(TextGenerator):
             raise ConfigError("engine.url: expected at least one server URL, found none")
         self.urls = [u.rstrip("/") for u in urls]
         self.headers = authorization_header(api_key)
-        self.http = httpx.Client(timeout=timeout_s)
+        # One thread and connection per request in flight: chunks in flight x conversations
+        # each, so the servers batch them all (httpx alone would cap at 100 connections).
+        self.http = httpx.Client(
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=SERVED_IN_FLIGHT, max_keepalive_connections=64),
+        )
         self.models = {url: self._model_name(url) for url in self.urls}
-        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hsx-generate")
+        self.pool = ThreadPoolExecutor(SERVED_IN_FLIGHT, thread_name_prefix="hsx-generate")
+        self._lock = threading.Lock()
+        self._sent = 0
 
     def _model_name(self, url: str) -> str:
         try:
@@ -169,14 +194,15 @@ class ServedGenerator(TextGenerator):
                 f"engine.url {url}: expected /v1/models to name a model: {exc!r}"
             ) from exc
 
-    def generate(
+    def submit(
         self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
-    ) -> list[GeneratedText]:
-        jobs = [
-            self.pool.submit(self._one, self.urls[i % len(self.urls)], request, sampling)
+    ) -> list[Future[GeneratedText]]:
+        with self._lock:  # spread over the servers across calls, not only within one
+            first, self._sent = self._sent, self._sent + len(requests)
+        return [
+            self.pool.submit(self._one, self.urls[(first + i) % len(self.urls)], request, sampling)
             for i, request in enumerate(requests)
         ]
-        return [job.result() for job in jobs]
 
     def _one(self, url: str, request: GenerationRequest, sampling: dict[str, Any]) -> GeneratedText:
         body = {

@@ -1,8 +1,8 @@
 """One regeneration, built once at the entry point (settings, tokenizer, chat template, the
 generator, the output, the chunks) and run chunk by chunk: ``regenerate(index)`` is what a task
-calls. A chunk's conversations are generated together, one round per turn (round r holds every
-conversation's r-th regenerated turn), each request with its own seed so that a retried or resumed
-chunk generates the same tokens."""
+calls. A chunk's conversations are generated together, each sending its next turn as soon as its
+last one is answered, each request with its own seed so that a retried or resumed chunk generates
+the same tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from hsx.regeneration.turns import (
     END_OF_THINKING,
     ChatTemplate,
     ConversationRegeneration,
+    GeneratedText,
     SampleDroppedError,
     SampleError,
     TurnPolicy,
@@ -48,6 +50,9 @@ logger = logging.getLogger(__name__)
 # Chunks generating at once: their turns share the engine's batches, so one chunk's last long
 # answers overlap the next chunk's first turn instead of leaving the engine half idle.
 CHUNKS_IN_FLIGHT = 3
+
+# How often a chunk waiting on its answers looks for a stop request.
+STOP_POLL_S = 1.0
 
 
 def turn_seed(run_seed: int, sample_id: str, message: int) -> int:
@@ -182,9 +187,7 @@ class RegenerationRun:
             )
             for conversation in self.plan.chunks[index]
         ]
-        active = states
-        while active:
-            active = self._round(active, tally)
+        self._generate(states, tally)
         kept = [s for s in states if s.done]  # a failed or dropped one stopped short
         payload = b"".join(json.dumps(s.row()).encode() + b"\n" for s in kept)
         reasons = Counter(turn.finish_reason for s in kept for turn in s.turns)
@@ -209,45 +212,59 @@ class RegenerationRun:
             logger.warning("chunk %d was committed by another attempt; its record stands", index)
         return commit
 
-    def _round(
-        self, active: list[ConversationRegeneration], tally: _ChunkTally
-    ) -> list[ConversationRegeneration]:
-        """One turn of every active conversation; the ones with turns left."""
-        if stop_requested():
-            raise RunInterruptedError(f"chunk abandoned between turns: {stop_reason()}")
-        requests, asked = [], []
+    def _generate(self, states: list[ConversationRegeneration], tally: _ChunkTally) -> None:
+        """Every conversation turn by turn, each sending its next turn as soon as its last answer
+        arrives: no barrier per turn, so a short conversation never waits for the chunk's
+        longest answer, and the engine's batches stay full."""
+        sampling = self.settings.generation.sampling
+        waiting: dict[Future[GeneratedText], tuple[ConversationRegeneration, int]] = {}
+
+        def send(ready: list[ConversationRegeneration]) -> None:
+            asked = [(s, r) for s in ready if (r := self._next_request(s, tally)) is not None]
+            futures = self.generator.submit([r for _, r in asked], sampling) if asked else []
+            for (state, request), future in zip(asked, futures, strict=True):
+                waiting[future] = (state, request.seed)
+
+        send(states)
+        while waiting:
+            if stop_requested():
+                raise RunInterruptedError(f"chunk abandoned between turns: {stop_reason()}")
+            finished, _ = wait(waiting, timeout=STOP_POLL_S, return_when=FIRST_COMPLETED)
+            ready = []
+            for future in finished:
+                state, seed = waiting.pop(future)
+                try:
+                    state.accept(future.result(), seed)  # an EngineError fails the chunk
+                except SampleError as exc:
+                    tally.failed.append({"id": state.conversation.sample_id, "error": str(exc)})
+                    continue
+                except SampleDroppedError as exc:
+                    tally.dropped.append({"id": state.conversation.sample_id, "reason": str(exc)})
+                    continue
+                if not state.done:
+                    ready.append(state)
+            send(ready)
+
+    def _next_request(
+        self, state: ConversationRegeneration, tally: _ChunkTally
+    ) -> GenerationRequest | None:
+        """The request of the conversation's next turn; None (counted) when it cannot be asked."""
         limit = self.plan.max_model_len
-        for state in active:
-            try:
-                prompt = state.next_prompt()
-                if len(prompt) >= limit:
-                    raise SampleError(
-                        f"{state.where}: expected the prompt of assistant message "
-                        f"{state.targets[len(state.turns)]} to fit engine.max_model_len {limit} "
-                        f"with room to generate, found {len(prompt)} tokens"
-                    )
-            except SampleError as exc:
-                tally.failed.append({"id": state.conversation.sample_id, "error": str(exc)})
-                continue
-            seed = turn_seed(
-                self.settings.generation.seed,
-                state.conversation.sample_id,
-                state.targets[len(state.turns)],
-            )
-            max_tokens = min(self.settings.generation.max_tokens, limit - len(prompt))
-            requests.append(GenerationRequest(prompt, max_tokens, seed))
-            asked.append((state, seed))
-        answers = self.generator.generate(requests, self.settings.generation.sampling)
-        left = []
-        for (state, seed), answer in zip(asked, answers, strict=True):
-            try:
-                state.accept(answer, seed)
-            except SampleError as exc:
-                tally.failed.append({"id": state.conversation.sample_id, "error": str(exc)})
-                continue
-            except SampleDroppedError as exc:
-                tally.dropped.append({"id": state.conversation.sample_id, "reason": str(exc)})
-                continue
-            if not state.done:
-                left.append(state)
-        return left
+        try:
+            prompt = state.next_prompt()
+            if len(prompt) >= limit:
+                raise SampleError(
+                    f"{state.where}: expected the prompt of assistant message "
+                    f"{state.targets[len(state.turns)]} to fit engine.max_model_len {limit} "
+                    f"with room to generate, found {len(prompt)} tokens"
+                )
+        except SampleError as exc:
+            tally.failed.append({"id": state.conversation.sample_id, "error": str(exc)})
+            return None
+        seed = turn_seed(
+            self.settings.generation.seed,
+            state.conversation.sample_id,
+            state.targets[len(state.turns)],
+        )
+        max_tokens = min(self.settings.generation.max_tokens, limit - len(prompt))
+        return GenerationRequest(prompt, max_tokens, seed)

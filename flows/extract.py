@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import time
 from typing import Any
-from uuid import UUID
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.schemas.objects import State
 from prefect.exceptions import TerminationSignal
 from prefect.logging import get_run_logger
-from prefect.runtime import deployment, flow_run
+from prefect.runtime import deployment
 from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -27,6 +26,7 @@ from flows.reporting import (
     chunk_rows,
     chunk_table,
     current_attempt,
+    run_is_cancelling,
     run_summary,
     run_tags,
     settings_from_parameters,
@@ -282,23 +282,6 @@ def stopped(
     )
     get_run_logger().warning("%s", message)
     return Cancelled(message=message)
-
-
-def run_is_cancelling() -> bool:
-    """Whether Prefect is cancelling this flow run (its SIGTERM is then a Cancel, not a stop of
-    the worker)."""
-    run_id = flow_run.get_id()
-    if not run_id:
-        return False
-    try:
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(UUID(run_id)).state
-        return state is not None and (state.is_cancelling() or state.is_cancelled())
-    except Exception as exc:  # the API unreachable: a stop all the same
-        get_run_logger().warning("could not read this run's state: %r", exc)
-        return False
 
 
 def record_interrupted(

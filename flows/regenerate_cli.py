@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from flows.cli_common import build_settings_of, console
-from flows.run_guard import guarded_run
+from flows.run_guard import SignalStop, exit_code, guarded_run
 
 
 def regenerate(
@@ -99,14 +99,16 @@ def run_regeneration(settings: Any) -> int:
         return 2
     prefect_home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
     with guarded_run(prefect_home / "hsx-servers") as stop:
-        code = _run_flow(settings)
+        code = _run_flow(settings, stop)
     if stop.signum is not None:
         sys.stdout.flush()
         os._exit(code)
     return code
 
 
-def _run_flow(settings: Any) -> int:
+def _run_flow(settings: Any, stop: SignalStop) -> int:
+    from prefect.exceptions import CancelledRun
+
     from flows.regenerate import RegenerationIncompleteError, regenerate_flow
     from hsx.errors import HsxError
 
@@ -115,14 +117,37 @@ def _run_flow(settings: Any) -> int:
     except RegenerationIncompleteError as exc:
         console.print(f"[bold red]regeneration incomplete:[/] {exc}", soft_wrap=True)
         return 1
+    except CancelledRun as exc:  # stopped: the flow run ends Cancelled, not Crashed or Failed
+        return _report_stopped(stop, str(exc))
     except HsxError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
         return 2
+    except BaseException as exc:
+        if stop.signum is None:
+            raise
+        return _report_stopped(stop, repr(exc))  # Prefect's SIGTERM bridge raised through it
     table = Table(title="hsx regenerate", show_header=False)
-    for key, value in summary.items():
+    # A Cancelled end raises CancelledRun above: what comes back is the summary.
+    for key, value in dict(summary).items():
         table.add_row(key.replace("_", " "), str(value))
     console.print(table)
     console.print(
         f"extract it with: hsx extract --model {settings.model} --dataset {settings.out} ..."
     )
     return 0
+
+
+def _report_stopped(stop: SignalStop, detail: str) -> int:
+    """What a stopped regeneration says, and the shell's exit code (130 for Ctrl-C, 143 for
+    SIGTERM)."""
+    import shlex
+    import signal
+
+    signum = stop.signum or signal.SIGTERM
+    console.print(
+        f"[bold yellow]stopped[/] by {signal.Signals(signum).name} (flow run Cancelled): {detail}",
+        soft_wrap=True,
+        highlight=False,
+    )
+    console.print(f"resume with: {shlex.join(['hsx', *sys.argv[1:]])}", soft_wrap=True)
+    return exit_code(signum)

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings
 
 from hsx.store.run_records import RunAttempt
 from settings import HsxSettings, merge_partial
+from settings.regenerate import RegenerateSettings
 
 SettingsModel = TypeVar("SettingsModel", bound=BaseSettings)
 
@@ -110,16 +111,20 @@ class Progress:
 
 
 def run_summary(
-    attempt: RunAttempt, settings: HsxSettings, status: str, fields: dict[str, Any]
+    attempt: RunAttempt,
+    settings: HsxSettings | RegenerateSettings,
+    status: str,
+    fields: dict[str, Any],
 ) -> None:
-    """One row that ``hsx runs`` reads back from the API: this attempt's outcome."""
+    """One row that ``hsx runs`` reads back from the API: this attempt's outcome ("store" is
+    where it writes: an extraction's store, a regeneration's output folder)."""
     retried = fields.pop("chunks_retried", None)
     row = {
         "attempt": attempt.attempt,
         "status": status,
         "model": str(settings.model),
         "dataset": str(settings.dataset),
-        "store": settings.store,
+        "store": settings.store if isinstance(settings, HsxSettings) else settings.out,
         "seconds": round(time.time() - attempt.started_at, 1),
         **({"chunks_retried": retried} if retried is not None else {}),
         **{k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in fields.items()},
@@ -188,3 +193,20 @@ def chunk_rows(
             }
         )
     return rows
+
+
+def run_is_cancelling() -> bool:
+    """Whether Prefect is cancelling this flow run (its SIGTERM is then a Cancel, not a stop of
+    the worker)."""
+    run_id = flow_run.get_id()
+    if not run_id:
+        return False
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(UUID(run_id)).state
+        return state is not None and (state.is_cancelling() or state.is_cancelled())
+    except Exception as exc:  # the API unreachable: a stop all the same
+        get_run_logger().warning("could not read this run's state: %r", exc)
+        return False

@@ -16,7 +16,7 @@ from rich.table import Table
 
 runs_app = typer.Typer(help="Past runs from the Prefect API: hsx runs, hsx runs show ID.")
 console = Console()
-FLOWS = ("hsx-extract", "hsx-verify", "hsx-preflight")
+FLOWS = ("hsx-extract", "hsx-regenerate", "hsx-verify", "hsx-preflight")
 
 
 def _client() -> Any:
@@ -122,7 +122,10 @@ def runs(
                 "failed": last.get("chunks_failed", "-"),
                 "retried": last.get("chunks_retried", "-"),
                 "duration": _duration(run),
-                "tokens_per_s": last.get("extract_tokens_per_s", "-"),
+                # Extraction's prompt tokens, regeneration's generated ones.
+                "tokens_per_s": last.get(
+                    "extract_tokens_per_s", last.get("generated_tokens_per_s", "-")
+                ),
                 "tags": run.tags,
             }
         )

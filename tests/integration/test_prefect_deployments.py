@@ -77,6 +77,10 @@ def test_three_deployments_run_with_partial_parameters(stack: Stack, tmp_path: P
     manifest = json.loads((regenerated / "hsx-regeneration.json").read_text())
     assert manifest["frozen_inputs"]["sampling"] == {"temperature": 0.7}  # the deployment's
     assert manifest["conversations"] == 4 and len(list((regenerated / "commits").iterdir())) == 1
+    runs = json.loads(hsx("runs", "--json", env=stack.env).stdout)
+    (row,) = [r for r in runs if r["id"] == regeneration["id"]]  # `hsx runs` lists it
+    assert row["state"] == "Completed" and row["store"] == str(regenerated)
+    assert row["committed"] == 1 and float(row["tokens_per_s"]) > 0
 
     opened = ExtractionStore.open(store)
     assert opened.meta["settings"]["run"]["retries"] == 2  # the deployment's, merged
@@ -257,6 +261,54 @@ def test_a_ui_cancel_ends_cancelled_with_an_honest_record(stack: Stack, tmp_path
     (row,) = [r for r in json.loads(listed.stdout) if r["id"] == run_id]
     assert row["state"] == "Cancelled" and row["store"] == store
     assert row["committed"] == len(committed) and row["model"].endswith("tiny-llama")
+
+
+def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The UI's Cancel of a worker-run regeneration: the run ends Cancelled (not Failed), the
+    chunks committed before it verify, none is half-written, `hsx runs` says so; the UI's Retry
+    of the same run then regenerates only the rest."""
+    from hsx.regeneration.output import RegeneratedOutput
+
+    out = tmp_path / "cancelled-regeneration"
+    settings = {  # 100 chunks of 2 conversations, 3 at a time: a minute, a Cancel takes seconds
+        "out": str(out),
+        "data": {"max_samples": 200},
+        "generation": {"max_tokens": 64, "conversations_per_chunk": 2},
+    }
+    run_id = stack.run("hsx-regenerate", "regenerate", {"settings": settings})
+    deadline = time.monotonic() + 300
+    while not ((out / "commits").is_dir() and any((out / "commits").iterdir())):
+        state = stack.flow_run(run_id)["state_type"]
+        assert time.monotonic() < deadline and state in {"SCHEDULED", "PENDING", "RUNNING"}, state
+        time.sleep(0.2)
+    stack.call(
+        "POST",
+        f"/flow_runs/{run_id}/set_state",
+        json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True},
+    )
+    final = stack.wait(run_id, timeout=120)
+    assert final["state_type"] == "CANCELLED", final["state"]
+    assert "chunks committed by this run" in final["state"]["message"]
+    output = RegeneratedOutput(str(out))
+    committed = output.committed_indices()
+    assert 0 < len(committed) < 100
+    assert output.verify() == []  # every committed part verifies; no part without its commit
+    parts = {int(p.stem.split("-")[1]) for p in (out / "data").glob("part-*.jsonl")}
+    assert committed <= parts  # (a part without its commit counts for nothing)
+    before = output.committed()
+    runs = json.loads(hsx("runs", "--json", env=stack.env).stdout)
+    (row,) = [r for r in runs if r["id"] == run_id]
+    assert row["state"] == "Cancelled" and row["store"] == str(out)
+    assert row["committed"] == len(committed)
+
+    stack.retry_like_the_ui(run_id)
+    retried = stack.wait(run_id, timeout=600)
+    assert retried["state_type"] == "COMPLETED", retried["state"]["message"]
+    after = output.committed()
+    assert set(after) == set(range(100)) and output.verify() == []
+    assert {i: after[i] for i in before} == before  # the cancelled attempt's chunks kept
 
 
 def test_hsx_runs_pages_through_every_run(stack: Stack) -> None:

@@ -290,7 +290,12 @@ def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
     )
     final = stack.wait(run_id, timeout=120)
     assert final["state_type"] == "CANCELLED", final["state"]
-    assert "chunks committed by this run" in final["state"]["message"]
+    # The worker reports its own "cancelled successfully" once the flow process has exited, over
+    # the flow's Cancelled (and over a Retry sent before it): wait for it, as a user would see.
+    deadline = time.monotonic() + 30
+    while "cancelled successfully" not in str(stack.flow_run(run_id)["state"]["message"]):
+        assert time.monotonic() < deadline, stack.flow_run(run_id)["state"]
+        time.sleep(0.5)
     output = RegeneratedOutput(str(out))
     committed = output.committed_indices()
     assert 0 < len(committed) < 100
@@ -302,6 +307,9 @@ def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
     (row,) = [r for r in runs if r["id"] == run_id]
     assert row["state"] == "Cancelled" and row["store"] == str(out)
     assert row["committed"] == len(committed)
+    (attempt,) = json.loads(hsx("runs", "show", run_id, "--json", env=stack.env).stdout)["attempts"]
+    assert attempt["status"] == "cancelled" and attempt["reason"] == "cancelled from Prefect"
+    assert attempt["chunks_committed_now"] == len(committed)
 
     stack.retry_like_the_ui(run_id)
     retried = stack.wait(run_id, timeout=600)
@@ -309,6 +317,9 @@ def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
     after = output.committed()
     assert set(after) == set(range(100)) and output.verify() == []
     assert {i: after[i] for i in before} == before  # the cancelled attempt's chunks kept
+    shown = json.loads(hsx("runs", "show", run_id, "--json", env=stack.env).stdout)
+    assert [a["status"] for a in shown["attempts"]] == ["cancelled", "completed"]
+    assert shown["attempts"][1]["chunks_committed_now"] == 100 - len(committed)
 
 
 def test_hsx_runs_pages_through_every_run(stack: Stack) -> None:

@@ -105,9 +105,7 @@ def hsx_side(run: Any) -> tuple[float, list[dict[str, Any]]]:
     rows = [
         json.loads(line)
         for index in range(len(run.plan.chunks))
-        for line in (Path(run.output.url) / "data" / f"part-{index:06d}.jsonl")
-        .read_text()
-        .splitlines()
+        for line in Path(run.output.part_path(index)).read_text().splitlines()
     ]
     return seconds, rows
 

@@ -2,8 +2,14 @@
 dataset: only when every chunk is committed, its parts in chunk order.
 
     OUT/hsx-regeneration.json     what was regenerated, how (frozen inputs), how many chunks
-    OUT/data/part-NNNNNN.jsonl    one chunk's rows: id, messages, input_ids, loss_mask, hsx_turns
-    OUT/commits/part-NNNNNN.json  the chunk's commit record (created once, written last)
+    OUT/data/part-NNNNNN.ID.jsonl one chunk's rows: id, messages, input_ids, loss_mask, hsx_turns
+                                  (ID: the attempt that wrote it; an output of an older hsx has
+                                  part-NNNNNN.jsonl)
+    OUT/commits/part-NNNNNN.json  the chunk's commit record (created once, written last), naming
+                                  its part file ("part")
+
+Each attempt writes its own part file and only the one whose commit record is created counts:
+an attempt that loses the commit race never touches the winner's bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +27,22 @@ FORMAT_NAME = "hsx-regeneration"
 
 def part_name(index: int) -> str:
     return f"part-{index:06d}"
+
+
+def part_file(index: int, record: dict[str, Any]) -> str:
+    """The data file a commit record stands for (records of older outputs name none)."""
+    return str(record.get("part") or f"{part_name(index)}.jsonl")
+
+
+def read_commit(fs: Any, folder: str, index: int) -> dict[str, Any]:
+    path = f"{folder}/{COMMITS_DIR}/{part_name(index)}.json"
+    try:
+        record = json.loads(fs.cat_file(path))
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{path}: expected a commit record (JSON): {exc!r}") from exc
+    if not isinstance(record, dict):
+        raise DatasetError(f"{path}: expected a JSON object, found {type(record).__name__}")
+    return record
 
 
 def is_regenerated(fs: Any, folder: str) -> bool:
@@ -67,4 +89,6 @@ def regenerated_parts(fs: Any, folder: str, name: str) -> list[str]:
             f"{chunks} chunks committed (missing: {listed}); finish it by running the same "
             "`hsx regenerate` again (it redoes only the missing chunks)"
         )
-    return [f"{folder}/{DATA_DIR}/{part_name(i)}.jsonl" for i in range(chunks)]
+    return [
+        f"{folder}/{DATA_DIR}/{part_file(i, read_commit(fs, folder, i))}" for i in range(chunks)
+    ]

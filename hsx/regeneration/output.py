@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec.core
@@ -19,7 +20,9 @@ from hsx.data.regenerated import (
     FORMAT_NAME,
     MANIFEST,
     committed_parts,
+    part_file,
     part_name,
+    read_commit,
 )
 from hsx.errors import StoreError
 from hsx.store.storage_io import create_once, store_io, write_atomic
@@ -48,6 +51,7 @@ class PartCommit:
     run_id: str
     attempt: int
     finished_at: float
+    part: str = ""  # the part file's name in data/, chosen by write_part
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, sort_keys=True).encode()
@@ -103,35 +107,43 @@ class RegeneratedOutput:
         return bool(self._io(path, "check", lambda: self.fs.exists(path)))
 
     def committed(self) -> dict[int, dict[str, Any]]:
-        found = {}
-        for index in sorted(committed_parts(self.fs, self.root)):
-            path = self._commit_path(index)
-            found[index] = json.loads(self._io(path, "read", lambda p=path: self.fs.cat_file(p)))
-        return found
+        return {
+            index: self._io(
+                self._commit_path(index), "read", lambda i=index: read_commit(self.fs, self.root, i)
+            )
+            for index in sorted(committed_parts(self.fs, self.root))
+        }
 
     def _commit_path(self, index: int) -> str:
         return f"{self.root}/{COMMITS_DIR}/{part_name(index)}.json"
 
-    def _part_path(self, index: int) -> str:
-        return f"{self.root}/{DATA_DIR}/{part_name(index)}.jsonl"
-
     def write_part(self, index: int, payload: bytes, commit: PartCommit) -> bool:
-        """The part's rows (atomically), then its commit record, created once. False when
-        another attempt had committed the chunk (its record stands; this one's rows, generated
-        from the same seeds, replaced the part's bytes only if equal digests say so)."""
+        """The part's rows (atomically, in a file of this attempt's own), then its commit
+        record naming that file, created once. False when another attempt committed the chunk:
+        its record and its part stand, this attempt's file is removed."""
         if self.is_committed(index):
             return False
+        return self.write_and_commit(index, payload, commit)
+
+    def write_and_commit(self, index: int, payload: bytes, commit: PartCommit) -> bool:
+        """write_part past its committed check (what an attempt that lost the race to a commit
+        made after that check does)."""
         for folder in (DATA_DIR, COMMITS_DIR):
             path = f"{self.root}/{folder}"
             self._io(path, "create", lambda p=path: self.fs.makedirs(p, exist_ok=True))
-        write_atomic(self.fs, self._part_path(index), payload, store=self.url)
-        return create_once(self.fs, self._commit_path(index), commit.to_json(), store=self.url)
+        commit = replace(commit, part=f"{part_name(index)}.{uuid.uuid4().hex[:12]}.jsonl")
+        part = f"{self.root}/{DATA_DIR}/{commit.part}"
+        write_atomic(self.fs, part, payload, store=self.url)
+        if create_once(self.fs, self._commit_path(index), commit.to_json(), store=self.url):
+            return True
+        self._io(part, "delete", lambda: self.fs.rm(part))
+        return False
 
     def verify(self) -> list[str]:
         """Problems of the committed parts: a missing part or one whose bytes changed."""
         problems = []
         for index, record in self.committed().items():
-            path = self._part_path(index)
+            path = f"{self.root}/{DATA_DIR}/{part_file(index, record)}"
             try:
                 data = self._io(path, "read", lambda p=path: self.fs.cat_file(p))
             except Exception as exc:
@@ -143,6 +155,13 @@ class RegeneratedOutput:
                     f"{part_name(index)}: expected xxh3 {record['xxh3']}, found {digest}"
                 )
         return problems
+
+    def part_path(self, index: int) -> str:
+        """The committed part file of chunk ``index`` (its commit record names it)."""
+        record = self._io(
+            self._commit_path(index), "read", lambda: read_commit(self.fs, self.root, index)
+        )
+        return f"{self.root}/{DATA_DIR}/{part_file(index, record)}"
 
 
 def part_digest(payload: bytes) -> str:

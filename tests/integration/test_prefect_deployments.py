@@ -300,7 +300,7 @@ def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
     committed = output.committed_indices()
     assert 0 < len(committed) < 100
     assert output.verify() == []  # every committed part verifies; no part without its commit
-    parts = {int(p.stem.split("-")[1]) for p in (out / "data").glob("part-*.jsonl")}
+    parts = {int(p.name[5:11]) for p in (out / "data").glob("part-*.jsonl")}
     assert committed <= parts  # (a part without its commit counts for nothing)
     before = output.committed()
     runs = json.loads(hsx("runs", "--json", env=stack.env).stdout)

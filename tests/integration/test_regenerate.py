@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from hsx.regeneration.output import RegeneratedOutput
 from hsx.store.reader import HiddenStatesReader
 from tests.cli import HSX, hsx
 from tests.conftest import REPO_ROOT
@@ -52,10 +53,11 @@ def regenerate_args(
 
 def rows_of(out: Path) -> list[dict[str, Any]]:
     manifest = json.loads((out / "hsx-regeneration.json").read_text())
+    output = RegeneratedOutput(str(out))
     return [
         json.loads(line)
         for index in range(manifest["chunks"])
-        for line in (out / "data" / f"part-{index:06d}.jsonl").read_text().splitlines()
+        for line in Path(output.part_path(index)).read_text().splitlines()
     ]
 
 

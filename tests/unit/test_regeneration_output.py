@@ -89,7 +89,39 @@ def test_verify_finds_a_part_changed_after_its_commit(tmp_path: Path) -> None:
     output = RegeneratedOutput(url)
     output.open_or_create(FROZEN, chunks=1, conversations=1)
     output.write_part(0, row(0), commit_of(0, row(0)))
-    part = tmp_path / "regenerated" / "data" / "part-000000.jsonl"
+    part = Path(output.part_path(0))
+    assert part.name.startswith("part-000000.") and part.parent == tmp_path / "regenerated" / "data"
     part.write_bytes(part.read_bytes().replace(b"s0", b"s9"))
     (problem,) = output.verify()
     assert problem.startswith("part-000000: expected xxh3 " + part_digest(row(0)))
+
+
+def test_an_attempt_that_loses_the_commit_race_leaves_the_winners_part_alone(url: str) -> None:
+    """Two attempts at one chunk both past the committed check (two workers, or a retry beside a
+    late first attempt): the first to create the record wins; the loser's rows, other bytes
+    here (sampling on another batch), go to its own file, which it removes. The winner's part
+    still verifies and is what the dataset reads."""
+    output = RegeneratedOutput(url)
+    output.open_or_create(FROZEN, chunks=1, conversations=1)
+    assert output.write_and_commit(0, row(0), commit_of(0, row(0)))
+    assert not output.write_and_commit(0, row(7), commit_of(0, row(7), attempt=2))
+    assert output.committed()[0]["attempt"] == 1 and output.verify() == []
+    assert output.fs.cat_file(output.part_path(0)) == row(0)
+    assert output.fs.ls(f"{output.root}/data", detail=False) == [output.part_path(0)]
+    assert [r.record["id"] for r in iter_rows(dataset_files(url), 1 << 20)] == ["s0"]
+
+
+def test_an_output_of_an_older_hsx_reads_its_unnamed_parts(tmp_path: Path) -> None:
+    """Commit records written before parts were named per attempt name no part file: the part
+    is data/part-NNNNNN.jsonl."""
+    url = str(tmp_path / "regenerated")
+    output = RegeneratedOutput(url)
+    output.open_or_create(FROZEN, chunks=1, conversations=1)
+    (tmp_path / "regenerated" / "data").mkdir()
+    (tmp_path / "regenerated" / "commits").mkdir()
+    (tmp_path / "regenerated" / "data" / "part-000000.jsonl").write_bytes(row(0))
+    record = json.loads(commit_of(0, row(0)).to_json())
+    del record["part"]
+    (tmp_path / "regenerated" / "commits" / "part-000000.json").write_text(json.dumps(record))
+    assert output.verify() == []
+    assert [r.record["id"] for r in iter_rows(dataset_files(url), 1 << 20)] == ["s0"]

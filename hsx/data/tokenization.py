@@ -183,17 +183,21 @@ def _normalize(
     ]
 
 
-def _render(
+def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     chat: list[dict[str, Any]],
     prompt: bool,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
+    """The chat template's text of ``chat`` (with the generation prompt where ``prompt``);
+    ``template_kwargs`` go to the template (regeneration's ``{"enable_thinking": false}``)."""
     text = tokenizer.apply_chat_template(
         chat,
         tools=[dict(tool) for tool in tools] if tools else None,
         tokenize=False,
         add_generation_prompt=prompt,
+        **dict(template_kwargs or {}),
     )
     if not isinstance(text, str):
         raise ConfigError(f"expected the chat template to render a string, found {type(text)}")
@@ -212,7 +216,7 @@ def _content_floor(
     the full rendering. This keeps a short answer ("a", "user") from matching the role header.
     None when the template renders prefixes differently (or refuses them)."""
     try:
-        prefix = _render(tokenizer, chat[:turn], prompt=True, tools=tools)
+        prefix = render_chat(tokenizer, chat[:turn], prompt=True, tools=tools)
     except Exception:  # a template may reject a partial conversation: fall back to the cursor
         return None
     return len(prefix) if text.startswith(prefix) else None
@@ -230,7 +234,7 @@ def _turn_span(
     it, when both are literal prefixes of the full text. None otherwise."""
     start = _content_floor(tokenizer, chat, turn, text, tools)
     try:
-        through = _render(tokenizer, chat[: turn + 1], prompt=False, tools=tools)
+        through = render_chat(tokenizer, chat[: turn + 1], prompt=False, tools=tools)
     except Exception:
         return None
     if start is None or not text.startswith(through) or len(through) <= start:
@@ -353,7 +357,7 @@ def tokenize_conversations(
     tools = tools or [None] * len(conversations)
     for messages, where, schema in zip(conversations, wheres, tools, strict=True):
         chat = _normalize(messages)
-        texts.append(_render(tokenizer, chat, prompt=False, tools=schema))
+        texts.append(render_chat(tokenizer, chat, prompt=False, tools=schema))
         spans.append(_assistant_spans(tokenizer, chat, texts[-1], where, schema))
     # The template already writes BOS and friends into the text: add_special_tokens would double them.
     encodings = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)

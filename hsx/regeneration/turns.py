@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsx.data.conversations import Conversation
+from hsx.data.tokenization import render_chat
 from hsx.errors import DatasetError
 
 END_OF_THINKING = "</think>"
@@ -99,16 +100,7 @@ class ChatTemplate:
         self.kwargs = dict(template_kwargs or {})
 
     def render(self, messages: list[dict[str, Any]], prompt: bool, tools: Any = None) -> str:
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=[dict(t) for t in tools] if tools else None,
-            tokenize=False,
-            add_generation_prompt=prompt,
-            **self.kwargs,
-        )
-        if not isinstance(text, str):
-            raise DatasetError(f"expected the chat template to render text, found {type(text)}")
-        return text
+        return render_chat(self.tokenizer, messages, prompt, tools, self.kwargs)
 
     def decode(self, ids: tuple[int, ...]) -> str:
         """A turn's text from its ids (the engine's own text may hold back a last partial

@@ -409,7 +409,7 @@ def test_batched_tokenization_equals_one_by_one_and_the_walked_mask(tokenizer: A
     (ids, mask, truncation), and the searched mask equals a token-by-token walk, also for
     offsets that go back (where the search falls back to walking)."""
     from hsx.data.sample_data import generate_conversations
-    from hsx.data.tokenization import _assistant_spans, _normalize, _render, _special_ids
+    from hsx.data.tokenization import _assistant_spans, _normalize, _special_ids, render_chat
 
     conversations = [c["messages"] for c in generate_conversations(60, seed=5, chat_lengths=True)]
     for max_length in (1 << 16, 300):
@@ -424,7 +424,7 @@ def test_batched_tokenization_equals_one_by_one_and_the_walked_mask(tokenizer: A
     special_np = np.fromiter(special, dtype=np.int64)
     for messages in conversations[:20]:
         chat_ = _normalize(messages)
-        text = _render(tokenizer, chat_, prompt=False)
+        text = render_chat(tokenizer, chat_, prompt=False)
         spans = _assistant_spans(tokenizer, chat_, text, "test")
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(encoding["input_ids"])

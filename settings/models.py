@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -23,6 +23,17 @@ from settings.strict import StrictSection, refuse_unknown_keys, unknown_keys_mes
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 StoreDtype = Literal["auto", "float32", "bfloat16", "fp8_e4m3"]
 LayerConvention = Literal["vllm", "specforge"]
+
+
+def url_or_path(value: Any) -> Any:
+    """A dataset location: a URL stays text (a Path would fold "s3://b" into "s3:/b"); any
+    other text is a path."""
+    if isinstance(value, str) and "://" not in value:
+        return Path(value)
+    return value
+
+
+DatasetLocation = Annotated[Path | str, BeforeValidator(url_or_path)]
 
 
 class EngineSettings(StrictSection):
@@ -429,7 +440,7 @@ class HsxSettings(BaseSettings):
     )
 
     model: Path = Field(..., description="Model folder: config.json, tokenizer, safetensors.")
-    dataset: Path | str = Field(
+    dataset: DatasetLocation = Field(
         ...,
         description="Conversations: a JSONL, JSON or Parquet file, a save_to_disk folder, a "
         "folder of such files, or a glob (data.format says how they are read); a local path or "
@@ -452,14 +463,6 @@ class HsxSettings(BaseSettings):
         # HSX_SERVER__*: `hsx serve`'s own section (settings.serve); HSX_GENERATION__* and
         # HSX_OUT: `hsx regenerate`'s (settings.regenerate). They may share the file.
         return refuse_unknown_keys(cls, data, frozenset({"server", "generation", "out"}))
-
-    @field_validator("dataset", mode="before")
-    @classmethod
-    def _url_or_path(cls, value: Any) -> Any:
-        # A URL stays text (a Path would fold "s3://b" into "s3:/b"); anything else is a path.
-        if isinstance(value, str) and "://" not in value:
-            return Path(value)
-        return value
 
     @model_validator(mode="after")
     def _samples_fit_the_engine(self) -> HsxSettings:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from settings.models import DataSettings, EngineSettings, RunSettings
+from settings.models import DatasetLocation, DataSettings, EngineSettings, RunSettings
 from settings.strict import StrictSection, refuse_unknown_keys
 
 # Sampling parameters hsx sets per request itself: a per-sample seed (a resumed chunk generates
@@ -102,7 +102,7 @@ class RegenerateSettings(BaseSettings):
     )
 
     model: Path = Field(..., description="Model folder: config.json, tokenizer, safetensors.")
-    dataset: Path | str = Field(
+    dataset: DatasetLocation = Field(
         ..., description="Conversations, in any format `hsx extract` reads (see data.format)."
     )
     out: str = Field(
@@ -119,10 +119,3 @@ class RegenerateSettings(BaseSettings):
     @classmethod
     def _known_keys_only(cls, data: Any) -> Any:
         return refuse_unknown_keys(cls, data, _EXTRACTION_ONLY)
-
-    @field_validator("dataset", mode="before")
-    @classmethod
-    def _url_or_path(cls, value: Any) -> Any:
-        if isinstance(value, str) and "://" not in value:
-            return Path(value)
-        return value

@@ -20,7 +20,7 @@ CONNECTOR_NAME = "HsxHiddenStatesConnector"
 CONNECTOR_MODULE = "hsx.engine.connector"
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
@@ -81,7 +81,7 @@ def choose_attention_backend(
     """A backend that supports ``dtype`` on this machine (``on_gpu``/``amx`` None: this
     machine's); ConfigError for a forced one that cannot run here, naming what it needs and
     what was found."""
-    gpu = _cuda_available() if on_gpu is None else on_gpu
+    gpu = cuda_available() if on_gpu is None else on_gpu
     mla = is_mla(config)
     forced = None if engine.attention_backend == "auto" else engine.attention_backend
     if gpu:
@@ -152,7 +152,7 @@ def kv_cache_bytes(
     """The KV cache size hsx asks for; None leaves it to vLLM (GPUs, unset)."""
     if engine.kv_cache_memory_gib is not None:
         return int(engine.kv_cache_memory_gib * (1 << 30))
-    if _cuda_available() if on_gpu is None else on_gpu:
+    if cuda_available() if on_gpu is None else on_gpu:
         return None
     per_token = kv_bytes_per_token(config, dtype, captured_layers)
     return max(1 << 30, 2 * max_model_len * per_token)
@@ -214,7 +214,7 @@ def engine_kwargs(
     if backend.name is not None:
         kwargs["attention_backend"] = backend.name
     rotary = engine.mla_rotary_custom_op
-    if rotary == "off" or (rotary == "auto" and is_mla(config) and not _cuda_available()):
+    if rotary == "off" or (rotary == "auto" and is_mla(config) and not cuda_available()):
         # vLLM's CPU rotary kernel is wrong for MLA's 3-D queries (2.5e-2 error against HF).
         kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     return kwargs

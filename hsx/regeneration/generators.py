@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from hsx.engine.options import engine_kwargs
+from hsx.engine.options import cuda_available, engine_kwargs
 from hsx.engine.server_protocol import authorization_header
 from hsx.errors import ConfigError, EngineError
 from hsx.regeneration.local_engine import GenerationDriver
@@ -161,6 +161,12 @@ def generation_kwargs(model_dir: Path, engine: EngineSettings) -> dict[str, Any]
     for key in _EXTRACTION_ONLY:
         kwargs.pop(key, None)
     kwargs["enable_prefix_caching"] = True
+    if not cuda_available():
+        # vLLM's CPU worker rewinds a seeded request's generator after a partial prefill
+        # (Generator.set_offset), which CPU generators refuse: "CPU Generator does not use
+        # offset" killed the engine once prompts of many conversations shared a step (seen with
+        # 300 conversations). Prompts are prefilled whole there.
+        kwargs["enable_chunked_prefill"] = False
     return kwargs
 
 

@@ -138,6 +138,32 @@ def test_each_turn_is_conditioned_on_the_regenerated_ones_and_extract_reads_thei
         assert sample.loss_mask.int().tolist() == row["loss_mask"]
 
 
+def test_the_whole_bundled_dataset_regenerates_with_the_defaults(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """300 conversations in two chunks of the default 256, engine defaults: many prompts share
+    each engine step. With prompts split across steps (chunked prefill) vLLM's CPU worker killed
+    the engine rewinding the seeded requests' generators ("CPU Generator does not use offset"),
+    which the 8-conversation tests never reached."""
+    out = tmp_path / "whole"
+    done = hsx(
+        "regenerate",
+        "--model",
+        str(tiny_llama),
+        "--dataset",
+        str(sample_dataset),
+        "--out",
+        str(out),
+        "--max-tokens",
+        "32",
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = rows_of(out)
+    assert len(rows) == len(sample_dataset.read_text().splitlines()) == 300
+    assert RegeneratedOutput(str(out)).verify() == []
+    assert all(t["generated_tokens"] > 0 for row in rows for t in row["hsx_turns"])
+
+
 def test_sigkill_then_resume_generates_the_same_tokens_and_refuses_changed_sampling(
     tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:

@@ -14,13 +14,13 @@ from prefect.artifacts import (
 )
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
-from pydantic_settings import BaseSettings
+from pydantic import BaseModel
 
 from hsx.store.run_records import RunAttempt
 from settings import HsxSettings, merge_partial
 from settings.regenerate import RegenerateSettings
 
-SettingsModel = TypeVar("SettingsModel", bound=BaseSettings)
+SettingsModel = TypeVar("SettingsModel", bound=BaseModel)
 
 
 def current_attempt(flow: str) -> RunAttempt:
@@ -38,14 +38,15 @@ def current_attempt(flow: str) -> RunAttempt:
 def settings_from_parameters(
     given: SettingsModel | dict[str, Any],
     model: type[SettingsModel] = HsxSettings,  # type: ignore[assignment]
+    key: str = "settings",
 ) -> SettingsModel:
-    """The run's settings (``model``: HsxSettings, RegenerateSettings). From a deployment, a
-    run's ``settings`` parameter is partial: it is merged over the deployment's own ``settings``
+    """The run's settings (``model``: HsxSettings, RegenerateSettings, FanoutSettings; ``key``:
+    the parameter holding them). From a deployment, a run's ``settings`` parameter is partial: it is merged over the deployment's own ``settings``
     (Prefect would replace them wholesale), then validated as strictly as the CLI's (an unknown
     key fails naming the closest known one)."""
     if isinstance(given, model):
         return given
-    defaults = _deployment_parameters().get("settings") or {}
+    defaults = _deployment_parameters().get(key) or {}
     merged = merge_partial(defaults if isinstance(defaults, dict) else {}, dict(given))
     return model.model_validate(merged)
 

@@ -2,7 +2,7 @@
 # Everything the Prefect UI needs for hsx, from nothing, in an order that works:
 #   1. the server on 127.0.0.1:PORT, its UI told that port (PREFECT_UI_API_URL), its database
 #      (SQLite in the Prefect home by default; --postgres: Debian's PostgreSQL via start-postgres.sh);
-#   2. the process work pool hsx-gpu;
+#   2. the process work pools hsx-gpu (GPU nodes) and hsx-cpu (parents over many nodes);
 #   3. the deployments of infra/prefect.yaml (extract, preflight, verify with a nightly schedule);
 #   4. the tiny bundled models, so the deployments' defaults run as they are.
 # Then start a worker on each GPU node: PREFECT_API_URL=... infra/start-worker.sh
@@ -52,8 +52,19 @@ for _ in $(seq 1 120); do
 done
 curl -sf "http://$host:$port/api/health" >/dev/null || { echo "prefect-up: no answer on $host:$port after 60 s ($log)" >&2; exit 1; }
 prefect="$root/.venv/bin/prefect"
-if ! "$prefect" work-pool inspect hsx-gpu >/dev/null 2>&1; then
-  "$prefect" work-pool create hsx-gpu --type process >/dev/null
+# hsx-gpu: one worker per GPU node, beside its `hsx serve`; hsx-cpu: the parents of runs over
+# many nodes (planning, store creation, watching the items), on any machine.
+for pool in hsx-gpu hsx-cpu; do
+  if ! "$prefect" work-pool inspect "$pool" >/dev/null 2>&1; then
+    "$prefect" work-pool create "$pool" --type process >/dev/null
+  fi
+done
+# Zombie detection: runs whose heartbeats stop are marked Crashed (infra/automations/).
+window="${HSX_ZOMBIE_WINDOW_S:-90}"
+sed "s/WINDOW_S/$window/g" "$root/infra/automations/crash-silent-flow-runs.yaml" >"$home/automations.yaml"
+if ! "$prefect" automation inspect hsx-crash-silent-flow-runs >/dev/null 2>&1; then
+  "$prefect" automation create --from-file "$home/automations.yaml" >"$home/automations.log" 2>&1 \
+    || { echo "prefect-up: automation not created ($home/automations.log):" >&2; tail -20 "$home/automations.log" >&2; exit 1; }
 fi
 "$root/.venv/bin/hsx" make-tiny-models "$root/models" >/dev/null
 (cd "$root" && HSX_REPO="$root" "$prefect" --no-prompt deploy --prefect-file infra/prefect.yaml --all >"$home/deploy.log" 2>&1) \
@@ -62,5 +73,6 @@ cat <<DONE
 Prefect server: http://$host:$port  (database: $db; state in $home)
   export PREFECT_API_URL=http://$host:$port/api
   infra/start-worker.sh          # a worker for pool hsx-gpu, on each GPU node
+  HSX_WORKER_POOL=hsx-cpu infra/start-worker.sh   # parents of runs over many nodes
   hsx runs                       # past runs; the UI shows the same
 DONE

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# A process worker for the hsx-gpu pool (run by infra/prefect-up.sh): runs flow runs on this
-# node, one at a time (one engine per node). Needs PREFECT_API_URL of the server.
+# A process worker for the hsx-gpu pool (HSX_WORKER_POOL=hsx-cpu: the parents of runs over many
+# nodes): runs flow runs on this node, HSX_WORKER_LIMIT at a time (default 1: one engine per
+# node). Needs PREFECT_API_URL of the server. On a GPU node of a run over many nodes, set
+# HSX_ENGINE__URL to this node's `hsx serve` servers: the item runs it starts use them.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 : "${PREFECT_API_URL:?expected PREFECT_API_URL of the Prefect server (infra/prefect-up.sh prints it)}"
@@ -13,8 +15,9 @@ export PREFECT_HOME="${PREFECT_HOME:-${HSX_PREFECT_HOME:-$root/.prefect-server}}
 export PREFECT_LOCAL_STORAGE_PATH="$PREFECT_HOME/storage"
 mkdir -p "$PREFECT_LOCAL_STORAGE_PATH"
 prefect="$root/.venv/bin/prefect"
-if ! "$prefect" work-pool inspect hsx-gpu >/dev/null 2>&1; then
-  "$prefect" work-pool create hsx-gpu --type process >/dev/null
+pool="${HSX_WORKER_POOL:-hsx-gpu}"
+if ! "$prefect" work-pool inspect "$pool" >/dev/null 2>&1; then
+  "$prefect" work-pool create "$pool" --type process >/dev/null
 fi
 # Supervised, as systemd's Restart=always would: a worker that exits is started again (and says
 # so in its log; the Prefect-stack tests fail on that line). flows/worker_launch.py runs Prefect's
@@ -26,7 +29,7 @@ child=""
 trap 'if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 0' TERM INT
 cd "$root"
 while true; do
-  "$root/.venv/bin/python" -m flows.worker_launch worker start --pool hsx-gpu \
+  "$root/.venv/bin/python" -m flows.worker_launch worker start --pool "$pool" \
     --limit "${HSX_WORKER_LIMIT:-1}" &
   child=$!
   code=0; wait "$child" || code=$?

@@ -1,5 +1,6 @@
 """hsx settings (pydantic-settings). Imports nothing of hsx, tasks or flows."""
 
+from settings.fanout import FanoutSettings
 from settings.merge import merge_partial
 from settings.models import (
     CaptureSettings,
@@ -19,6 +20,7 @@ __all__ = [
     "CaptureSettings",
     "DataSettings",
     "EngineSettings",
+    "FanoutSettings",
     "GenerationSettings",
     "HsxSettings",
     "PipelineSettings",

@@ -66,6 +66,8 @@ NOT_SETTINGS = frozenset(
         "HSX_REPO",  # the checkout a worker runs flows from (infra/start-worker.sh)
         "HSX_PREFECT_HOME",  # infra/prefect-up.sh's state folder
         "HSX_WORKER_LIMIT",  # flow runs at once per worker (infra/start-worker.sh)
+        "HSX_WORKER_POOL",  # the pool a worker serves (infra/start-worker.sh)
+        "HSX_ZOMBIE_WINDOW_S",  # silence before a run is marked Crashed (infra/prefect-up.sh)
     }
 )
 

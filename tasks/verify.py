@@ -19,11 +19,19 @@ from tasks.common import logged_failures
     retries=1,
     retry_delay_seconds=2.0,
 )
-def verify_task(store_url: str, repair: bool = False, readers: int | None = None) -> dict[str, Any]:
+def verify_task(
+    store_url: str,
+    repair: bool = False,
+    readers: int | None = None,
+    only: list[int] | None = None,
+) -> dict[str, Any]:
     """``repair``: drop the commit records of corrupt chunks (the flow re-extracts them);
-    ``readers``: threads reading and hashing (timeouts.verify_readers; None = the CPU count)."""
+    ``readers``: threads reading and hashing (timeouts.verify_readers; None = the CPU count);
+    ``only``: these chunks alone (a many-node parent's re-check of chunks two attempts did)."""
     with logged_failures("verification") as logger:
-        report, dropped = verify(store_url, repair=repair, readers=readers)
+        report, dropped = verify(
+            store_url, repair=repair, readers=readers, only=None if only is None else set(only)
+        )
         lines = [f"# Verification of `{report.url}`", "", f"**{report.summary()}**", ""]
         if report.missing:
             lines.append(f"Missing (uncommitted) chunks: {report.missing[:50]}")

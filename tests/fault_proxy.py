@@ -67,6 +67,7 @@ class FaultProxy:
         self.refuse = False
         self.injected: Counter[str] = Counter()  # faults answered, by kind
         self.requests: Counter[str] = Counter()  # requests seen, by method
+        self.paths: Counter[tuple[str, str]] = Counter()  # requests seen, by method and path
         self._open: set[socket.socket] = set()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
@@ -127,6 +128,7 @@ class FaultProxy:
     def _decide(self, method: str, path: str) -> str | None:
         with self._lock:
             self.requests[method] += 1
+            self.paths[(method, path.split("?", 1)[0])] += 1
             if self.refuse:
                 return "refuse"
             if any(method == m and part in path for m, part in self._plan.failing):

@@ -5,13 +5,14 @@ makes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,15 @@ TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 class Stack:
     """The server, its worker, and the REST calls the UI makes."""
 
-    def __init__(self, home: Path, port: int, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        home: Path,
+        port: int,
+        env: dict[str, str],
+        workers: list[subprocess.Popen[bytes]] | None = None,
+    ) -> None:
         self.home, self.port, self.env = home, port, env
+        self.workers = workers or []  # infra/start-worker.sh processes, each its own group
         self.api = f"http://127.0.0.1:{port}/api"
         self.http = httpx.Client(base_url=self.api, timeout=30)
 
@@ -109,8 +117,11 @@ def worker_restarts(log: Path, context: int = 0) -> list[str]:
 
 
 @contextmanager
-def running_stack(database: str) -> Iterator[Stack]:
-    """The stack on a free port with a fresh database; stopped and removed after."""
+def running_stack(database: str, workers: Sequence[dict[str, str]] = ({},)) -> Iterator[Stack]:
+    """The stack on a free port with a fresh database; stopped and removed after. ``workers``:
+    one infra/start-worker.sh each, with these environment variables over the stack's (its pool,
+    a node's servers, its own PREFECT_HOME); the first logs to worker.log, the others to
+    worker-N.log."""
     if database == "postgres" and not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
         missing_component(
             "Debian's postgresql package is not installed (apt-get install postgresql)"
@@ -137,32 +148,37 @@ def running_stack(database: str) -> Iterator[Stack]:
         env=env,
         timeout=600,
     )
-    worker: subprocess.Popen[bytes] | None = None
+    started: list[subprocess.Popen[bytes]] = []
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         assert f"http://127.0.0.1:{port}" in up.stdout
-        log = (home / "worker.log").open("wb")
-        worker = subprocess.Popen(
-            ["bash", str(REPO_ROOT / "infra" / "start-worker.sh")],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        yield Stack(home, port, env)
+        logs = [home / ("worker.log" if n == 0 else f"worker-{n}.log") for n in range(len(workers))]
+        for extra, log in zip(workers, logs, strict=True):
+            with log.open("wb") as output:
+                started.append(
+                    subprocess.Popen(
+                        ["bash", str(REPO_ROOT / "infra" / "start-worker.sh")],
+                        env={**env, **extra},
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        yield Stack(home, port, env, started)
         # infra/start-worker.sh restarts a worker that exits, as systemd would; a restart during
         # a test is a worker crash that the test's own checks would not see.
-        restarts = worker_restarts(home / "worker.log", context=30)
+        restarts = [line for log in logs for line in worker_restarts(log, context=30)]
         assert not restarts, "the worker exited and was restarted:\n" + "\n".join(restarts)
     except BaseException:
-        # The flow runs' own output (a crashed run's traceback) is in the worker's log only.
-        worker_log = home / "worker.log"
-        if worker_log.exists():
-            print("worker log (tail):\n" + worker_log.read_text(errors="replace")[-8000:])
+        # The flow runs' own output (a crashed run's traceback) is in the workers' logs only.
+        for worker_log in sorted(home.glob("worker*.log")):
+            text = worker_log.read_text(errors="replace")[-8000:]
+            print(f"{worker_log.name} (tail):\n{text}")
         raise
     finally:
-        if worker is not None:
-            os.killpg(worker.pid, signal.SIGTERM)
+        for worker in started:
+            with contextlib.suppress(ProcessLookupError):  # a test may have killed it
+                os.killpg(worker.pid, signal.SIGTERM)
             try:
                 worker.wait(timeout=30)
             except subprocess.TimeoutExpired:

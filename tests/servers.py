@@ -7,7 +7,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +120,52 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+
+
+@contextmanager
+def moto_s3(log_path: Path) -> Iterator[int]:
+    """moto's S3 server on a free 127.0.0.1 port, in its own process (as a real endpoint is:
+    Flask in a test process would be walked by vLLM's module scans); yields its port."""
+    port = free_port()
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("moto_server")),
+                "-H",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"moto_server did not start on port {port}") from None
+                    time.sleep(0.1)
+            yield port
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def s3_config(endpoint: str) -> dict[str, Any]:
+    """fsspec's s3 options for a test endpoint (FSSPEC_S3 for a CLI). Standard retry mode, 3
+    attempts, short timeouts: a dead endpoint fails in seconds, not the 8-27 s of botocore's
+    defaults (README "Stores on S3")."""
+    return {
+        "endpoint_url": endpoint,
+        "key": "testing",
+        "secret": "testing",
+        "config_kwargs": {
+            "retries": {"max_attempts": 3, "mode": "standard"},
+            "connect_timeout": 2,
+            "read_timeout": 10,
+        },
+    }

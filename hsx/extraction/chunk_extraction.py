@@ -417,6 +417,9 @@ def extract_chunk(
         extra=dict(context.extra or {}),
         skipped_samples=list(writer.skipped),
     )
+    # A run stopped while the last batch was written (or declared dead: flows/extract_item.py)
+    # must not commit: its chunk is redone, perhaps already by another node.
+    raise_if_stopped(chunk.name)
     with timings.timed("commit"):
         winner = store.write_commit(record)  # last: until now the chunk does not exist for readers
     if winner is not None:

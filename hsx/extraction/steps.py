@@ -187,10 +187,10 @@ def check_free_space(url: str, plan: Plan, meta: dict[str, Any]) -> None:
 
 
 def verify(
-    store_url: str, repair: bool = False, readers: int | None = None
+    store_url: str, repair: bool = False, readers: int | None = None, only: set[int] | None = None
 ) -> tuple[VerifyReport, dict[int, list[str]]]:
-    """Verify the store; with ``repair``, drop the commit records of corrupt chunks (the caller
-    re-extracts them). Returns the report and the dropped chunks."""
+    """Verify the store (``only``: those chunks); with ``repair``, drop the commit records of
+    corrupt chunks (the caller re-extracts them). Returns the report and the dropped chunks."""
     repaired: list[str] = []
     if repair:  # before zarr reads them: a damaged document may not even open
         fs, root = fs_and_root(store_url)
@@ -198,6 +198,6 @@ def verify(
         if repaired:
             logger.warning("repair: rewrote %s of %s from its layout copy", repaired, store_url)
     store = ExtractionStore.open(store_url, mode="r+" if repair else "r")
-    report = verify_store(store, readers=readers)
+    report = verify_store(store, only=only, readers=readers)
     report.metadata_repaired = repaired
     return report, (repair_store(store, report) if repair else {})

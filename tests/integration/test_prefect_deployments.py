@@ -39,6 +39,8 @@ def test_the_ui_shows_the_api_of_its_own_port(stack: Stack) -> None:
     assert set(names) == {
         "extract",
         "extract-served",
+        "extract-fanout",
+        "extract-item",
         "preflight",
         "verify",
         "export",

@@ -21,9 +21,7 @@ import errno
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +37,7 @@ from tests.cli import hsx
 from tests.conftest import make_settings, missing_component
 from tests.fault_proxy import FaultProxy
 from tests.integration.test_flow import flow_logs, task_runs
+from tests.servers import moto_s3, s3_config
 from tests.stores import compare_stores
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -227,58 +226,20 @@ def test_an_io_error_of_one_write_is_retried_and_the_run_completes(
 
 
 # ---- an S3-compatible store ------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3_proxy(tmp_path_factory: Any) -> Iterator[FaultProxy]:
-    """moto's S3 server on 127.0.0.1 (its own process, as a real endpoint is: Flask in this
-    process would be walked by vLLM's module scans) behind the fault proxy; s3fs pointed at the
-    proxy through fsspec's config (what FSSPEC_S3 sets for a CLI), botocore's retries bounded."""
-    port = _free_port()
-    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("w")
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on port {port}") from None
-                time.sleep(0.1)
-        with pytest.MonkeyPatch.context() as patch, FaultProxy(port) as proxy:
-            patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-            patch.setitem(fsspec.config.conf, "s3", s3_config(proxy.url))
-            fsspec.filesystem("s3").mkdir(BUCKET)
-            yield proxy
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-
-
-def s3_config(endpoint: str) -> dict[str, Any]:
-    # Standard retry mode, 3 attempts, short timeouts: a dead endpoint fails in seconds, not
-    # the 8-27 s of botocore's defaults (README "Stores on S3").
-    return {
-        "endpoint_url": endpoint,
-        "key": "testing",
-        "secret": "testing",
-        "config_kwargs": {
-            "retries": {"max_attempts": 3, "mode": "standard"},
-            "connect_timeout": 2,
-            "read_timeout": 10,
-        },
-    }
+    """moto's S3 server on 127.0.0.1 behind the fault proxy; s3fs pointed at the proxy through
+    fsspec's config (what FSSPEC_S3 sets for a CLI), botocore's retries bounded."""
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with (
+        moto_s3(log) as port,
+        pytest.MonkeyPatch.context() as patch,
+        FaultProxy(port) as proxy,
+    ):
+        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        patch.setitem(fsspec.config.conf, "s3", s3_config(proxy.url))
+        fsspec.filesystem("s3").mkdir(BUCKET)
+        yield proxy
 
 
 @pytest.fixture(scope="module")

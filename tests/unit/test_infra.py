@@ -30,10 +30,14 @@ def test_deployment_entrypoints_and_parameters_are_valid() -> None:
         assert set(deployment["parameters"]) <= accepted, (deployment["name"], accepted)
         # Partial run parameters reach the flow, which merges and validates them itself.
         assert deployment["enforce_parameter_schema"] is False
-        assert deployment["work_pool"]["name"] == "hsx-gpu"
+        # Parents over many nodes plan and watch on the CPU pool; everything else on GPU nodes.
+        pool = "hsx-cpu" if deployment["name"] == "extract-fanout" else "hsx-gpu"
+        assert deployment["work_pool"]["name"] == pool
     assert names == {
         "extract": "hsx-extract",
         "extract-served": "hsx-extract",
+        "extract-fanout": "hsx-extract-fanout",
+        "extract-item": "hsx-extract-item",
         "preflight": "hsx-preflight",
         "verify": "hsx-verify",
         "export": "hsx-export",
@@ -47,7 +51,11 @@ def test_deployment_entrypoints_and_parameters_are_valid() -> None:
 
     regeneration = RegenerateSettings.model_validate(rendered)
     assert regeneration.generation.sampling == {"temperature": 0.7}
-    for name in ("extract", "extract-served"):
+    (fanout,) = [d for d in spec["deployments"] if d["name"] == "extract-fanout"]
+    from settings import FanoutSettings
+
+    assert FanoutSettings.model_validate(fanout["parameters"]["fanout"]).max_resubmits == 2
+    for name in ("extract", "extract-served", "extract-fanout", "extract-item"):
         (extract,) = [d for d in spec["deployments"] if d["name"] == name]
         rendered = yaml.safe_load(
             yaml.safe_dump(extract["parameters"]["settings"]).replace("{{ $HSX_REPO }}", str(ROOT))

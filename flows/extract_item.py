@@ -1,0 +1,158 @@
+"""One work item of an extraction fanned out over many nodes (flows/fanout.py): its chunks on
+this node's `hsx serve` servers, each committed once. No planning (the parent created the store)
+and no whole-store verify (the parent verifies what needs it)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+from uuid import UUID
+
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.exceptions import TerminationSignal
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Cancelled
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.chunk_loop import ChunkLoop, ChunkTally
+from flows.reporting import Progress, run_is_cancelling, settings_from_parameters, tag_run
+from hsx.extraction.host_pipeline import MAX_CHUNKS_IN_FLIGHT
+from hsx.extraction.run import ExtractionRun
+from hsx.extraction.steps import resolve_settings
+from hsx.interrupt import request_stop, stop_requested
+from settings import EngineSettings, HsxSettings
+from tasks.common import backoff
+from tasks.extract import extract_chunk_task
+
+# How often a child reads its own state: a run the parent, an operator or the zombie automation
+# moved out of Running stops committing within this many seconds.
+STATE_WATCH_S = 2.0
+
+
+class ItemIncompleteError(RuntimeError):
+    """Raised when a work item ends with chunks neither committed by it nor by another attempt."""
+
+
+@flow(
+    name="hsx-extract-item",
+    validate_parameters=False,  # partial settings merged over the deployment's (reporting)
+    persist_result=False,
+    task_runner=ThreadPoolTaskRunner(max_workers=MAX_CHUNKS_IN_FLIGHT + 2),
+)
+def extract_item_flow(
+    settings: HsxSettings | dict[str, Any], chunks: list[int], item: str = "item"
+) -> dict[str, Any] | Any:
+    """Extract the work chunks ``chunks`` of the store ``settings.store`` (created by the
+    parent) on this node: engine.url from the node's environment (HSX_ENGINE__URL)."""
+    logger = get_run_logger()
+    resolved = resolve_settings(on_this_node(settings_from_parameters(settings)))
+    tag_run("hsx", "extract-item", item)
+    logger.info(
+        "%s: %d work chunks of %s on %s",
+        item,
+        len(chunks),
+        resolved.store,
+        ", ".join(resolved.engine.url) or "an engine of this process",
+    )
+    watch = _StateWatch()
+    with ExtractionRun.open(resolved) as run:
+        store = run.store()
+        wanted = set(chunks)
+        tokens = sum(c.tokens for c in store.work_chunks if c.index in wanted)
+        task = extract_chunk_task.with_options(
+            retries=resolved.run.retries,
+            retry_delay_seconds=backoff(resolved.run.retry_delay_seconds, resolved.run.retries),
+        )
+        loop = ChunkLoop(
+            run,
+            task,
+            list(chunks),
+            run.concurrency(tokens, len(chunks)),
+            Progress(len(chunks), f"{item}: {len(chunks)} work chunks"),
+        )
+        watch.start()
+        try:
+            loop.run_all()
+        except TerminationSignal:
+            request_stop("cancelled from Prefect" if run_is_cancelling() else "SIGTERM received")
+            loop.abandon_in_flight(resolved.timeouts.stop_wait_s)
+        finally:
+            watch.stop()
+    return _item_end(item, loop.tally, resolved.engine.url)
+
+
+def on_this_node(settings: HsxSettings) -> HsxSettings:
+    """The settings with this node's servers (HSX_ENGINE__URL of the worker that started this
+    run), which the parent, running elsewhere, cannot know."""
+    node_urls = os.environ.get("HSX_ENGINE__URL", "").strip()
+    if not node_urls:
+        return settings
+    engine = EngineSettings.model_validate(
+        {**settings.engine.model_dump(), "url": node_urls, "api_key": settings.engine.api_key}
+    )
+    return settings.model_copy(update={"engine": engine})
+
+
+def _item_end(item: str, tally: ChunkTally, servers: list[str]) -> dict[str, Any] | Any:
+    """The item's result for the parent; Cancelled when stopped; raises when a chunk failed."""
+    committed = [i for i in tally.results if i not in tally.collided]
+    result = {
+        "item": item,
+        "committed": sorted(committed),
+        "collided": sorted(tally.collided),
+        "tokens": tally.extracted_tokens,
+        "tokens_per_s": round(tally.extracted_tokens / tally.seconds, 1) if tally.seconds else 0,
+        "servers": servers,
+    }
+    logger = get_run_logger()
+    if stop_requested():
+        message = (
+            f"{item} stopped: {len(committed)} chunks committed, {len(tally.abandoned)} "
+            f"abandoned before their commit, {len(tally.not_started)} not started"
+        )
+        logger.warning("%s", message)
+        return Cancelled(message=message)
+    if tally.failed or tally.not_started:
+        listed = "".join(f"\n  chunk {i}: {tally.errors[i]}" for i in tally.failed[:20])
+        raise ItemIncompleteError(
+            f"{item}: expected {len(tally.pending)} chunks committed, found {len(tally.failed)} "
+            f"failed and {len(tally.not_started)} not started{listed}"
+        )
+    logger.info("%s done: %s", item, result)
+    return result
+
+
+class _StateWatch:
+    """Reads this flow run's state every STATE_WATCH_S; once it is no longer Running (the
+    parent or an operator cancelled it, or the zombie automation declared it Crashed) the run
+    stops, and its chunks abandon before their commit rather than commit work the parent is
+    already giving to another node."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hsx-state-watch", daemon=True)
+
+    def start(self) -> None:
+        if flow_run.get_id():
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        run_id = UUID(str(flow_run.get_id()))
+        logger = get_run_logger()
+        while not self._done.wait(STATE_WATCH_S):
+            try:
+                with get_client(sync_client=True) as client:
+                    state = client.read_flow_run(run_id).state
+            except Exception as exc:  # the API away for a while: keep working, look again
+                logger.warning("could not read this run's state: %r", exc)
+                continue
+            if state is not None and not state.is_running():
+                request_stop(f"this flow run is {state.name} in Prefect")
+                logger.warning("flow run is %s: chunks abandon before their commit", state.name)
+                return

@@ -1,0 +1,244 @@
+"""Many nodes on one machine, as issue 29 sets them up: three "nodes" on 127.0.0.1, each its own
+`hsx serve` on the tiny Llama and its own Prefect worker (pool hsx-gpu, its own PREFECT_HOME,
+HSX_ENGINE__URL = its server); one Prefect server with the zombie automation; a parent worker
+on pool hsx-cpu; moto's S3 server behind the counting proxy as the one store. The parent
+(`extract-fanout`) plans once and starts one `extract-item` run per work item; every chunk is
+committed once; then one node is killed with SIGKILL mid-item, its run is declared Crashed by
+the automation, and the parent resubmits only its uncommitted chunks to a live node."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections import Counter, defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+
+from hsx.store.zarr_store import ExtractionStore
+from tests.cli import hsx
+from tests.conftest import REPO_ROOT
+from tests.fault_proxy import FaultProxy
+from tests.prefect_stack import Stack, running_stack
+from tests.servers import ServeProcess, moto_s3, s3_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+BUCKET = "hsx-nodes"
+NODES = 3
+HEARTBEAT_S = 30  # Prefect's minimum
+ZOMBIE_WINDOW_S = 60  # two heartbeats: a run silent this long is marked Crashed
+
+
+def _run_settings(store: str, samples: int, item_minutes: float) -> dict[str, Any]:
+    """A run's partial parameters: chunks of >= 1024 tokens, items of ``item_minutes`` at 1000
+    tokens/s (0.001: one chunk each; 0.05: about three), the parent polling every second."""
+    return {
+        "settings": {
+            "store": store,
+            "data": {"max_samples": samples},
+            "layout": {"rows_per_chunk": 256, "min_work_chunk_tokens": 1024},
+            "run": {"preflight": False, "retries": 1, "retry_delay_seconds": 0},
+        },
+        "fanout": {
+            "item_minutes": item_minutes,
+            "node_tokens_per_s": 1000,
+            "poll_s": 1,
+            "max_resubmits": 2,
+        },
+    }
+
+
+def _children(stack: Stack, parent: str) -> list[dict[str, Any]]:
+    runs = stack.call(
+        "POST",
+        "/flow_runs/filter",
+        json={"flow_runs": {"parent_flow_run_id": {"any_": [parent]}}, "limit": 200},
+    ).json()
+    return list(runs)
+
+
+def _first_log(stack: Stack, run_id: str, pattern: str) -> str | None:
+    logs = stack.call(
+        "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
+    ).json()
+    return next((log["message"] for log in logs if re.search(pattern, log["message"])), None)
+
+
+def _commit_puts(proxy: FaultProxy, store_name: str) -> Counter[int]:
+    """PUTs of each chunk's commit record seen at the proxy, by chunk index."""
+    counts: Counter[int] = Counter()
+    for (method, path), count in proxy.paths.items():
+        found = re.search(rf"/{store_name}/commits/chunk-(\d+)\.json$", path)
+        if method == "PUT" and found:
+            counts[int(found.group(1))] += count
+    return counts
+
+
+def _per_node(store: ExtractionStore) -> dict[str, dict[str, float]]:
+    """Chunks, tokens and tokens/s (over each node's first start to last commit) per server."""
+    by_server: dict[str, list[Any]] = defaultdict(list)
+    for record in store.committed_chunks().values():
+        by_server[record.extra["engine_server"]["url"]].append(record)
+    figures = {}
+    for url, records in sorted(by_server.items()):
+        start = min(datetime.fromisoformat(r.started_at) for r in records)
+        end = max(datetime.fromisoformat(r.finished_at) for r in records)
+        tokens = sum(int(r.tokens) for r in records)
+        figures[url] = {
+            "chunks": len(records),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / max((end - start).total_seconds(), 1e-3), 1),
+        }
+    return figures
+
+
+def test_three_nodes_commit_every_chunk_once_and_a_dead_node_is_replaced(tmp_path: Path) -> None:
+    with (
+        moto_s3(tmp_path / "moto.log") as s3_port,
+        FaultProxy(s3_port) as proxy,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        s3 = {"FSSPEC_S3": json.dumps(s3_config(proxy.url)), "AWS_DEFAULT_REGION": "us-east-1"}
+        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        patch.setitem(fsspec.config.conf, "s3", s3_config(proxy.url))
+        fsspec.filesystem("s3").mkdir(BUCKET)
+        servers = [
+            ServeProcess(
+                REPO_ROOT / "models" / "tiny-llama", tmp_path, "--no-probe", name=f"node{n}"
+            )
+            for n in range(NODES)
+        ]
+        try:
+            for server in servers:
+                server.start()
+            _three_nodes(servers, proxy, s3, tmp_path)
+        finally:
+            for server in servers:
+                server.stop()
+
+
+def _three_nodes(
+    servers: list[ServeProcess], proxy: FaultProxy, s3: dict[str, str], tmp_path: Path
+) -> None:
+    common = {**s3, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}
+    workers = [{**common, "HSX_WORKER_POOL": "hsx-cpu"}] + [
+        {
+            **common,
+            "HSX_ENGINE__URL": server.url,
+            "PREFECT_HOME": str(tmp_path / f"node{n}-prefect"),
+            "HSX_WORKER_LIMIT": "1",
+        }
+        for n, server in enumerate(servers)
+    ]
+    os.environ["HSX_ZOMBIE_WINDOW_S"] = str(ZOMBIE_WINDOW_S)  # read by infra/prefect-up.sh
+    try:
+        with running_stack("sqlite", workers=workers) as stack:
+            _all_chunks_once(stack, servers, proxy, s3)
+            _a_killed_node(stack, servers, proxy, s3)
+    finally:
+        os.environ.pop("HSX_ZOMBIE_WINDOW_S", None)
+
+
+def _all_chunks_once(
+    stack: Stack, servers: list[ServeProcess], proxy: FaultProxy, s3: dict[str, str]
+) -> None:
+    url = f"s3://{BUCKET}/fanout.zarr"
+    started = time.monotonic()
+    parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 96, 0.001))
+    done = stack.wait(parent, timeout=600)
+    wall = time.monotonic() - started
+    assert done["state_type"] == "COMPLETED", done["state"]["message"]
+    store = ExtractionStore.open(url)
+    chunks = [c.index for c in store.work_chunks]
+    assert sorted(store.committed_chunks()) == chunks and store.collisions() == []
+    # One commit PUT per chunk at the store's endpoint: nothing committed twice.
+    assert _commit_puts(proxy, "fanout.zarr") == Counter({index: 1 for index in chunks})
+    children = _children(stack, parent)
+    assert len(children) == len(chunks)  # one item per chunk, each run once
+    assert all(c["state_type"] == "COMPLETED" for c in children)
+    nodes = _per_node(store)
+    assert len(nodes) >= 2, nodes  # the items spread over the nodes
+    for server in servers:  # one model load per node, whatever ran there
+        assert server.log().count("hsx serve: loading") == 1, server.log()[-2000:]
+    verified = hsx("verify", url, env=s3)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    print(
+        f"\n3 nodes: {len(chunks)} chunks in {len(children)} items, {wall:.1f} s; per node "
+        f"{json.dumps(nodes)}; S3 requests {dict(proxy.requests)}"
+    )
+
+
+def _a_killed_node(
+    stack: Stack, servers: list[ServeProcess], proxy: FaultProxy, s3: dict[str, str]
+) -> None:
+    url = f"s3://{BUCKET}/killed.zarr"
+    parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 160, 0.05))
+    victim, item_run = _a_node_mid_item(stack, servers, parent)
+    store = ExtractionStore.open(url)
+    committed_before = set(store.committed_chunks())
+    killed_at = time.monotonic()
+    # The node dies: its worker (and the flow run it started, in its process group) and its
+    # server, as a power loss would take them.
+    os.killpg(stack.workers[victim + 1].pid, signal.SIGKILL)
+    servers[victim].kill_server()
+    crashed_after = _wait_state(stack, item_run, "CRASHED", ZOMBIE_WINDOW_S + 120) - killed_at
+    done = stack.wait(parent, timeout=600)
+    assert done["state_type"] == "COMPLETED", done["state"]["message"]
+    chunks = [c.index for c in store.work_chunks]
+    commits = store.committed_chunks()
+    assert sorted(commits) == chunks and store.collisions() == []
+    assert _commit_puts(proxy, "killed.zarr") == Counter({index: 1 for index in chunks})
+    assert set(commits) >= committed_before  # nothing committed before was redone
+    assert all(
+        commits[i].extra["engine_server"]["url"] != servers[victim].url
+        for i in chunks
+        if i not in committed_before
+    )
+    retried = [c for c in _children(stack, parent) if c["name"].endswith("-try2")]
+    assert retried and all(c["state_type"] == "COMPLETED" for c in retried)
+    resubmitted = min(datetime.fromisoformat(c["created"]) for c in retried)
+    redone = max(
+        datetime.fromisoformat(commits[i].finished_at) for i in chunks if i not in committed_before
+    )
+    assert crashed_after >= ZOMBIE_WINDOW_S - HEARTBEAT_S  # not before the window
+    verified = hsx("verify", url, env=s3)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    print(
+        f"\nkill -9 of node {victim}: Crashed after {crashed_after:.0f} s; resubmitted at "
+        f"{resubmitted.isoformat()}, last redone commit at {redone.isoformat()}; "
+        f"0 lost, 0 committed twice"
+    )
+
+
+def _a_node_mid_item(stack: Stack, servers: list[ServeProcess], parent: str) -> tuple[int, str]:
+    """The node running an item that has started extracting, and that item's run."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for child in _children(stack, parent):
+            if child["state_type"] != "RUNNING":
+                continue
+            said = _first_log(stack, child["id"], r"work chunks of .* on http://")
+            for n, server in enumerate(servers):
+                if said and said.endswith(server.url):
+                    return n, str(child["id"])
+        time.sleep(0.5)
+    raise AssertionError(f"no item of {parent} running on a node after 300 s")
+
+
+def _wait_state(stack: Stack, run_id: str, state: str, timeout: float) -> float:
+    """The monotonic time at which run ``run_id`` was seen in ``state``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stack.flow_run(run_id)["state_type"] == state:
+            return time.monotonic()
+        time.sleep(1)
+    raise AssertionError(
+        f"run {run_id} not {state} after {timeout} s: {stack.flow_run(run_id)['state']}"
+    )

@@ -132,19 +132,22 @@ class _StateWatch:
     already giving to another node."""
 
     def __init__(self) -> None:
+        # Read here: the thread has no run context of its own.
+        self._logger = get_run_logger()
+        self._run_id = flow_run.get_id()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hsx-state-watch", daemon=True)
 
     def start(self) -> None:
-        if flow_run.get_id():
+        if self._run_id:
             self._thread.start()
 
     def stop(self) -> None:
         self._done.set()
 
     def _watch(self) -> None:
-        run_id = UUID(str(flow_run.get_id()))
-        logger = get_run_logger()
+        run_id = UUID(str(self._run_id))
+        logger = self._logger
         while not self._done.wait(STATE_WATCH_S):
             try:
                 with get_client(sync_client=True) as client:

@@ -573,6 +573,7 @@ class ExtractionStore:
     def collisions(self) -> list[dict[str, Any]]:
         """Every recorded collision (a chunk computed by more than one attempt), oldest first."""
         directory = f"{self.root}/{COLLISIONS_DIR}"
+        self._forget_listing(directory)
         if not exists(self.fs, self.url, directory):
             return []
         listing = self._io(directory, "list", lambda: self.fs.ls(directory, detail=False))
@@ -582,6 +583,13 @@ class ExtractionStore:
             if str(path).endswith(".json")
         ]
         return sorted(found, key=lambda c: (c["recorded_at"], c["chunk_index"]))
+
+    def _forget_listing(self, path: str) -> None:
+        """Drop what the filesystem cached of ``path`` and its folders: s3fs keeps a listing
+        once made, so a long-lived process (a parent over many nodes, a flow verifying after
+        its chunks) would not see records other processes wrote since (seen: a parent's Retry
+        found committed chunks missing)."""
+        self.fs.invalidate_cache(path)
 
     def _io(self, path: str, action: str, call: Any) -> Any:
         return store_io(self.fs, self.url, path, action, call)
@@ -610,6 +618,7 @@ class ExtractionStore:
 
     def read_commit(self, index: int) -> CommitRecord | None:
         path = self._commit_path(index)
+        self._forget_listing(path)
         if not exists(self.fs, self.url, path):
             return None
         return self._load_commit(path, index)
@@ -623,6 +632,7 @@ class ExtractionStore:
         """All commit records, by chunk index. A record that does not parse raises
         CorruptRecordError, or, given ``unreadable``, is put there (index -> why) instead."""
         directory = f"{self.root}/{COMMITS_DIR}"
+        self._forget_listing(directory)
         if not exists(self.fs, self.url, directory):
             return {}
         records: dict[int, CommitRecord] = {}

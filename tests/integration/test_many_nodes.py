@@ -14,7 +14,7 @@ import re
 import signal
 import time
 from collections import Counter, defaultdict
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +141,10 @@ def _three_nodes(
     try:
         with running_stack("sqlite", workers=workers) as stack:
             _all_chunks_once(stack, servers, proxy, s3)
-            _a_killed_node(stack, servers, proxy, s3)
+            dead = _a_killed_node(stack, servers, proxy, s3)
+            alive = [server for n, server in enumerate(servers) if n != dead]
+            _a_crashed_parent_is_retried(stack, alive, proxy, s3)
+            _a_frozen_node(stack, servers, alive, s3)
     finally:
         os.environ.pop("HSX_ZOMBIE_WINDOW_S", None)
 
@@ -173,17 +176,38 @@ def _all_chunks_once(
         f"\n3 nodes: {len(chunks)} chunks in {len(children)} items, {wall:.1f} s; per node "
         f"{json.dumps(nodes)}; S3 requests {dict(proxy.requests)}"
     )
+    print("measured (bench/simulate_nodes.py --compare): " + json.dumps(_measured(store, children)))
+
+
+def _measured(store: ExtractionStore, children: list[dict[str, Any]]) -> dict[str, float]:
+    """What the simulation is fed and compared with: each item's time from its run's creation
+    to its end (worker pickup, process start, chunks, exit), the engine's chunk seconds, the
+    tokens, and the span from the first item's creation to the last one's end."""
+    commits = store.committed_chunks().values()
+    created = [datetime.fromisoformat(c["created"]) for c in children]
+    ended = [datetime.fromisoformat(c["end_time"]) for c in children]
+    items = sorted((e - c).total_seconds() for c, e in zip(created, ended, strict=True))
+    chunk_s = [float(r.seconds) for r in commits]
+    return {
+        "items": len(children),
+        "tokens": sum(int(r.tokens) for r in commits),
+        "chunk_seconds_mean": round(sum(chunk_s) / len(chunk_s), 3),
+        "item_p50_s": round(items[len(items) // 2], 2),
+        "makespan_s": round((max(ended) - min(created)).total_seconds(), 2),
+    }
 
 
 def _a_killed_node(
     stack: Stack, servers: list[ServeProcess], proxy: FaultProxy, s3: dict[str, str]
-) -> None:
+) -> int:
+    """kill -9 of a node mid-item: the automation declares its run Crashed, the parent
+    resubmits the uncommitted chunks to the live nodes. Returns the dead node."""
     url = f"s3://{BUCKET}/killed.zarr"
     parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 160, 0.05))
     victim, item_run = _a_node_mid_item(stack, servers, parent)
     store = ExtractionStore.open(url)
     committed_before = set(store.committed_chunks())
-    killed_at = time.monotonic()
+    killed_at, killed_wall = time.monotonic(), datetime.now(UTC)
     # The node dies: its worker (and the flow run it started, in its process group) and its
     # server, as a power loss would take them.
     os.killpg(stack.workers[victim + 1].pid, signal.SIGKILL)
@@ -196,25 +220,130 @@ def _a_killed_node(
     assert sorted(commits) == chunks and store.collisions() == []
     assert _commit_puts(proxy, "killed.zarr") == Counter({index: 1 for index in chunks})
     assert set(commits) >= committed_before  # nothing committed before was redone
-    assert all(
-        commits[i].extra["engine_server"]["url"] != servers[victim].url
-        for i in chunks
-        if i not in committed_before
-    )
+    after = [i for i in chunks if i not in committed_before]
+    assert all(commits[i].extra["engine_server"]["url"] != servers[victim].url for i in after)
     retried = [c for c in _children(stack, parent) if c["name"].endswith("-try2")]
     assert retried and all(c["state_type"] == "COMPLETED" for c in retried)
-    resubmitted = min(datetime.fromisoformat(c["created"]) for c in retried)
-    redone = max(
-        datetime.fromisoformat(commits[i].finished_at) for i in chunks if i not in committed_before
-    )
+    (victim_item,) = [c for c in _children(stack, parent) if c["id"] == item_run]
+    item_name = victim_item["name"].rsplit("-try", 1)[0]
+    redo_runs = {c["id"] for c in retried if c["name"].startswith(item_name)}
+    redone = [i for i in after if commits[i].run_id in redo_runs]
+    assert redone, (item_name, retried)
+    resubmitted = min(datetime.fromisoformat(c["created"]) for c in retried) - killed_wall
+    last_redone = max(datetime.fromisoformat(commits[i].finished_at) for i in redone) - killed_wall
     assert crashed_after >= ZOMBIE_WINDOW_S - HEARTBEAT_S  # not before the window
     verified = hsx("verify", url, env=s3)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     print(
-        f"\nkill -9 of node {victim}: Crashed after {crashed_after:.0f} s; resubmitted at "
-        f"{resubmitted.isoformat()}, last redone commit at {redone.isoformat()}; "
-        f"0 lost, 0 committed twice"
+        f"\nkill -9 of node {victim}: Crashed after {crashed_after:.0f} s, resubmitted after "
+        f"{resubmitted.total_seconds():.0f} s, its last redone chunk committed after "
+        f"{last_redone.total_seconds():.0f} s; {len(redone)} chunks redone "
+        f"({sum(int(commits[i].tokens) for i in redone)} tokens), 0 lost, 0 committed twice"
     )
+    return victim
+
+
+def _a_crashed_parent_is_retried(
+    stack: Stack, servers: list[ServeProcess], proxy: FaultProxy, s3: dict[str, str]
+) -> None:
+    """The parent's process killed while its children run, then the UI's Retry: attempt 2
+    re-attaches to the children attempt 1 made (their idempotency keys): none runs twice."""
+    url = f"s3://{BUCKET}/parent.zarr"
+    parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 96, 0.02))
+    _a_node_mid_item(stack, servers, parent)
+    before = {c["name"] for c in _children(stack, parent)}
+    os.kill(_flow_process(parent), signal.SIGKILL)
+    crashed = stack.wait(parent, timeout=120)
+    assert crashed["state_type"] == "CRASHED", crashed["state"]
+    stack.retry_like_the_ui(parent)
+    done = stack.wait(parent, timeout=600)
+    assert done["state_type"] == "COMPLETED", done["state"]["message"]
+    assert done["run_count"] == 2
+    children = _children(stack, parent)
+    names = Counter(c["name"] for c in children)
+    assert all(count == 1 for count in names.values()), names  # no item started twice
+    assert before <= set(names) and all(name.endswith("-try1") for name in names)
+    store = ExtractionStore.open(url)
+    chunks = [c.index for c in store.work_chunks]
+    assert sorted(store.committed_chunks()) == chunks and store.collisions() == []
+    assert _commit_puts(proxy, "parent.zarr") == Counter({index: 1 for index in chunks})
+    print(
+        f"\nparent killed with {len(before)} children started, retried: {len(children)} "
+        "children in all, each once"
+    )
+
+
+def _a_frozen_node(
+    stack: Stack, servers: list[ServeProcess], alive: list[ServeProcess], s3: dict[str, str]
+) -> None:
+    """SIGSTOP of a node (its worker, item run and server) past the zombie window, then
+    SIGCONT once its chunks were redone elsewhere: the late run abandons before its commit or
+    loses the put-if-absent (a collision recorded); every chunk is committed once and verifies."""
+    url = f"s3://{BUCKET}/frozen.zarr"
+    # Items of ~6 chunks (0.1 min at 1000 tokens/s): frozen with chunks still to do.
+    parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 160, 0.1))
+    index, item_run = _a_node_mid_item(stack, alive, parent)
+    node = servers.index(alive[index])
+    groups = [stack.workers[node + 1].pid, int(alive[index].info()["server_pid"])]
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    time.sleep(1)  # a commit PUT already on the wire lands
+    frozen_commits = _committed_by(ExtractionStore.open(url), item_run)
+    try:
+        _wait_state(stack, item_run, "CRASHED", ZOMBIE_WINDOW_S + 120)
+        done = stack.wait(parent, timeout=600)  # its chunks redone on the other node
+        assert done["state_type"] == "COMPLETED", done["state"]["message"]
+    finally:
+        for group in groups:
+            os.killpg(group, signal.SIGCONT)
+    frozen = _flow_process_or_none(item_run)
+    deadline = time.monotonic() + 60
+    while frozen is not None and Path(f"/proc/{frozen}").exists() and time.monotonic() < deadline:
+        time.sleep(1)  # the late run sees it is Crashed and ends
+    store = ExtractionStore.open(url)
+    chunks = [c.index for c in store.work_chunks]
+    commits = store.committed_chunks()
+    assert sorted(commits) == chunks
+    assert _committed_by(store, item_run) == frozen_commits  # nothing committed once thawed
+    for collision in store.collisions():  # a late commit refused: the first one stands
+        assert commits[collision["chunk_index"]].run_id == collision["winner"]["run_id"]
+    redone = [c for c in _children(stack, parent) if c["name"].endswith("-try2")]
+    verified = hsx("verify", url, env=s3)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    late = stack.flow_run(item_run)["state"]
+    print(
+        f"\nSIGSTOP of node {node} past the window, then SIGCONT: {len(frozen_commits)} chunks "
+        f"committed before the freeze, {len(redone)} items resubmitted, "
+        f"{len(store.collisions())} late commits refused, the thawed run ended "
+        f"{late['name']} ({(late.get('message') or '')[:120]}); every chunk committed once, "
+        "verify OK"
+    )
+
+
+def _committed_by(store: ExtractionStore, run_id: str) -> set[int]:
+    return {i for i, r in store.committed_chunks().items() if r.run_id == run_id}
+
+
+def _flow_process_or_none(run_id: str) -> int | None:
+    try:
+        return _flow_process(run_id)
+    except AssertionError:
+        return None
+
+
+def _flow_process(run_id: str) -> int:
+    """The pid of the process running flow run ``run_id`` (Prefect's worker gives it the run's
+    id in PREFECT__FLOW_RUN_ID)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no process runs flow run {run_id}")
 
 
 def _a_node_mid_item(stack: Stack, servers: list[ServeProcess], parent: str) -> tuple[int, str]:

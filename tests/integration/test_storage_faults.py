@@ -462,3 +462,28 @@ def test_racing_commits_of_one_chunk_on_s3_leave_exactly_one_winner(
     again = extract_chunk(host, store, plan.chunks[0], StatesEngine(), 100, RunContext("late"))
     assert again.extra["collision"]["winner"]["run_id"] == "first"
     assert [c["loser"]["run_id"] for c in store.collisions()] == ["late"]
+
+
+def test_a_long_lived_reader_sees_commits_written_after_its_listing(
+    s3_proxy: FaultProxy, host: Any
+) -> None:
+    """s3fs keeps a folder's listing once made: a process that listed the commit records
+    (a many-node parent at its start) and later reads them again must see what other processes
+    committed since (seen: a parent's Retry found committed chunks missing)."""
+    from hsx.extraction.chunk_extraction import RunContext, extract_chunk
+    from tests.unit.test_plan_store import StatesEngine, make_plan, meta
+
+    url = f"s3://{BUCKET}/listing-{os.getpid()}-{time.monotonic_ns()}"
+    plan = make_plan([30, 30, 30], work=32)
+    reader = ExtractionStore.open_or_create(url, plan, meta())
+    extract_chunk(host, reader, plan.chunks[0], StatesEngine(), 100, RunContext("first"))
+    assert sorted(reader.committed_chunks()) == [0]  # the listing is now cached
+    assert reader.read_commit(1) is None
+    # Another process: its own s3fs instance, its own cache.
+    writer_fs = fsspec.filesystem("s3", skip_instance_cache=True, **s3_config(s3_proxy.url))
+    writer = ExtractionStore.open(url, mode="r+")
+    writer.fs = writer_fs
+    extract_chunk(host, writer, plan.chunks[1], StatesEngine(), 100, RunContext("other"))
+    extract_chunk(host, writer, plan.chunks[2], StatesEngine(), 100, RunContext("other"))
+    assert sorted(reader.committed_chunks()) == [0, 1, 2]
+    assert reader.read_commit(2) is not None and reader.read_commit(2).run_id == "other"  # type: ignore[union-attr]

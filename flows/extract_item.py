@@ -98,10 +98,13 @@ def on_this_node(settings: HsxSettings) -> HsxSettings:
 
 def _item_end(item: str, tally: ChunkTally, servers: list[str]) -> dict[str, Any] | Any:
     """The item's result for the parent; Cancelled when stopped; raises when a chunk failed."""
-    committed = [i for i in tally.results if i not in tally.collided]
+    # A chunk another attempt had committed before this one started is skipped, not redone.
+    skipped = [i for i, r in tally.results.items() if r.get("skipped")]
+    committed = [i for i in tally.results if i not in tally.collided and i not in skipped]
     result = {
         "item": item,
         "committed": sorted(committed),
+        "committed_before": sorted(skipped),
         "collided": sorted(tally.collided),
         "tokens": tally.extracted_tokens,
         "tokens_per_s": round(tally.extracted_tokens / tally.seconds, 1) if tally.seconds else 0,
@@ -110,8 +113,9 @@ def _item_end(item: str, tally: ChunkTally, servers: list[str]) -> dict[str, Any
     logger = get_run_logger()
     if stop_requested():
         message = (
-            f"{item} stopped: {len(committed)} chunks committed, {len(tally.abandoned)} "
-            f"abandoned before their commit, {len(tally.not_started)} not started"
+            f"{item} stopped: {len(committed)} chunks committed by it, {len(skipped)} found "
+            f"committed by another attempt, {len(tally.abandoned)} abandoned before their "
+            f"commit, {len(tally.not_started)} not started"
         )
         logger.warning("%s", message)
         return Cancelled(message=message)

@@ -105,7 +105,9 @@ def _cut(store: ExtractionStore, fanout: FanoutSettings) -> list[WorkItem]:
         if created is None or datetime.fromisoformat(record.finished_at) < created
     ]
     rate = measured_rate(before) or fanout.node_tokens_per_s
-    items = cut_work_items(store.work_chunks, item_tokens(fanout.item_minutes, rate))
+    total = sum(chunk.tokens for chunk in store.work_chunks)
+    size = item_tokens(fanout.item_minutes, rate, total, fanout.min_items)
+    items = cut_work_items(store.work_chunks, size)
     get_run_logger().info(
         "%d work items of about %.3g min at %.0f tokens/s per node (%s)",
         len(items),

@@ -28,6 +28,13 @@ class FanoutSettings(StrictSection):
         description="One node's extraction rate, to size items, until the store has a measured "
         "one (the committed chunks' tokens over their seconds, used once there are some).",
     )
+    min_items: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="At least this many items (a few per node, e.g. 4 x the nodes): a run "
+        "shorter than nodes x item_minutes is cut finer, so no node sits idle (0 = no floor).",
+    )
     max_resubmits: int = Field(
         2,
         ge=0,

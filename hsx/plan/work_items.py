@@ -25,14 +25,20 @@ class WorkItem:
         return f"item-{self.index:05d}"
 
 
-def item_tokens(minutes: float, tokens_per_s: float) -> int:
-    """Tokens of ``minutes`` of one node's work at ``tokens_per_s``."""
+def item_tokens(
+    minutes: float, tokens_per_s: float, total_tokens: int = 0, min_items: int = 0
+) -> int:
+    """Tokens of ``minutes`` of one node's work at ``tokens_per_s``; fewer where that would
+    make less than ``min_items`` items of ``total_tokens``."""
     if minutes <= 0 or tokens_per_s <= 0:
         raise ConfigError(
             f"work items: expected positive minutes and tokens/s, found {minutes} min at "
             f"{tokens_per_s} tokens/s"
         )
-    return max(1, int(minutes * 60 * tokens_per_s))
+    size = int(minutes * 60 * tokens_per_s)
+    if min_items > 0 and total_tokens > 0:
+        size = min(size, -(-total_tokens // min_items))
+    return max(1, size)
 
 
 def cut_work_items(chunks: Sequence[WorkChunk], tokens_per_item: int) -> list[WorkItem]:

@@ -47,6 +47,9 @@ def test_the_cut_does_not_depend_on_what_is_committed() -> None:
 def test_item_size_from_minutes_and_a_measured_rate() -> None:
     assert item_tokens(10, 20_000) == 12_000_000
     assert item_tokens(0.001, 1) == 1  # at least one token: one chunk per item
+    # 200M tokens in 10-minute items at 20k tokens/s would be 17 items: 64 nodes want more.
+    assert item_tokens(10, 20_000, total_tokens=200_000_000, min_items=256) == 781_250
+    assert item_tokens(10, 20_000, total_tokens=200_000_000, min_items=4) == 12_000_000
     with pytest.raises(ConfigError, match=r"expected positive minutes and tokens/s, found 0"):
         item_tokens(0, 100)
     assert measured_rate([(1000, 0.5), (3000, 1.5)]) == pytest.approx(2000.0)

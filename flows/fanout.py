@@ -43,6 +43,8 @@ from tasks.verify import verify_task
 
 # Prefect's API answers at most this many runs per read.
 READ_LIMIT = 200
+# How long the parent waits out an unanswering API (a server restart) before it fails.
+API_OUTAGE_S = 600.0
 
 
 class FanoutIncompleteError(RuntimeError):
@@ -142,6 +144,7 @@ class _Children:
         self.done: list[_Submitted] = []
         self.given_up: list[_Submitted] = []
         self.api_reads = 0
+        self._away_since: float | None = None  # the API unanswered since (monotonic)
 
     def run(self, items: list[WorkItem], store: ExtractionStore) -> None:
         for item in items:
@@ -149,7 +152,7 @@ class _Children:
         logger = get_run_logger()
         while self.open:
             time.sleep(self.fanout.poll_s)
-            for child in self._read_states():
+            for child in self._poll():
                 if child.state is None or not child.state.is_final():
                     continue
                 entry = self.open.pop(child.id)
@@ -167,6 +170,21 @@ class _Children:
                     len(left),
                 )
                 self._resubmit(entry, left)
+
+    def _poll(self) -> list[FlowRun]:
+        """The children's states; none while the API is away (a server restart, a network
+        cut): the children run on, and their states are read once it answers again."""
+        try:
+            runs = self._read_states()
+        except Exception as exc:
+            now = time.monotonic()
+            self._away_since = self._away_since or now
+            if now - self._away_since > API_OUTAGE_S:
+                raise
+            get_run_logger().warning("could not read the items' states; again later: %r", exc)
+            return []
+        self._away_since = None
+        return runs
 
     def _resubmit(self, entry: _Submitted, left: list[int]) -> None:
         if not left:  # every chunk committed (by it before it died, or by another)

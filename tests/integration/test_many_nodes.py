@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from collections import Counter, defaultdict
 from datetime import UTC, datetime
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import httpx
 import pytest
 
 from hsx.store.zarr_store import ExtractionStore
@@ -145,6 +147,7 @@ def _three_nodes(
             alive = [server for n, server in enumerate(servers) if n != dead]
             _a_crashed_parent_is_retried(stack, alive, proxy, s3)
             _a_frozen_node(stack, servers, alive, s3)
+            _a_restarted_prefect_server(stack, alive, proxy)
     finally:
         os.environ.pop("HSX_ZOMBIE_WINDOW_S", None)
 
@@ -318,6 +321,50 @@ def _a_frozen_node(
         f"{late['name']} ({(late.get('message') or '')[:120]}); every chunk committed once, "
         "verify OK"
     )
+
+
+def _a_restarted_prefect_server(stack: Stack, alive: list[ServeProcess], proxy: FaultProxy) -> None:
+    """The Prefect server stopped mid-run and started again (same port, same database): the
+    parent waits out the outage, the items go on or are resubmitted; every chunk committed
+    once."""
+    url = f"s3://{BUCKET}/restarted.zarr"
+    parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 160, 0.05))
+    _a_node_mid_item(stack, alive, parent)
+    (pidfile,) = stack.home.glob("server-*.pid")
+    os.killpg(int(pidfile.read_text()), signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while _answers(stack) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _answers(stack), "the Prefect server did not stop"
+    time.sleep(5)  # an outage of some seconds, as a restart under systemd
+    up = subprocess.run(
+        ["bash", str(REPO_ROOT / "infra" / "prefect-up.sh"), "--port", str(stack.port)],
+        capture_output=True,
+        text=True,
+        env=stack.env,
+        timeout=600,
+    )
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    done = stack.wait(parent, timeout=600)
+    assert done["state_type"] == "COMPLETED", done["state"]["message"]
+    store = ExtractionStore.open(url)
+    chunks = [c.index for c in store.work_chunks]
+    assert sorted(store.committed_chunks()) == chunks
+    puts = _commit_puts(proxy, "restarted.zarr")
+    refused = Counter(int(c["chunk_index"]) for c in store.collisions())
+    # One commit per chunk; a second PUT only where a collision was recorded (refused).
+    assert all(puts[i] == 1 + refused[i] for i in chunks), (puts, refused)
+    print(
+        f"\nPrefect server restarted mid-run: parent Completed, {len(chunks)} chunks committed "
+        f"once, {sum(refused.values())} late commits refused"
+    )
+
+
+def _answers(stack: Stack) -> bool:
+    try:
+        return httpx.get(f"{stack.api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _committed_by(store: ExtractionStore, run_id: str) -> set[int]:

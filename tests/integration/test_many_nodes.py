@@ -111,6 +111,10 @@ def test_three_nodes_commit_every_chunk_once_and_a_dead_node_is_replaced(tmp_pat
         patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
         patch.setitem(fsspec.config.conf, "s3", s3_config(proxy.url))
         fsspec.filesystem("s3").mkdir(BUCKET)
+        # The deployments' default model (infra/prefect-up.sh builds it too, but the servers
+        # start first: their URLs go into the workers' environment).
+        built = hsx("make-tiny-models", str(REPO_ROOT / "models"))
+        assert built.returncode == 0, built.stdout + built.stderr
         servers = [
             ServeProcess(
                 REPO_ROOT / "models" / "tiny-llama", tmp_path, "--no-probe", name=f"node{n}"

@@ -295,11 +295,7 @@ def record_interrupted(
     """The store's run record of a stopped run: what this attempt committed (chunks and tokens,
     counted from the store's commit records: chunks in flight at a SIGTERM may have committed
     all the same), what it abandoned, and how to finish it. Returns the record's fields."""
-    committed = [
-        record
-        for record in ExtractionStore.open(settings.store).committed_chunks().values()
-        if record.run_id == attempt.run_id and record.attempt == attempt.attempt
-    ]
+    committed = ExtractionStore.open(settings.store).committed_by(attempt.run_id, attempt.attempt)
     status = "cancelled" if cancelled else "interrupted"
     fields = {
         "reason": stop_reason(),

@@ -91,9 +91,13 @@ def _regenerate(settings: RegenerateSettings, attempt: RunAttempt) -> dict[str, 
         chunk_phase_s = time.perf_counter() - chunks_started
     finally:
         generator.close()
-    tally = _tally(loop.results, plan.conversations, len(plan.chunks))
     if stop_requested():  # no verify: a stop is asked to end within seconds
-        return _stopped(settings, attempt, loop, tally)
+        # Counted from the commit records this attempt wrote: a chunk in flight at the stop
+        # may have committed after its future was given up on.
+        records = output.committed_by(attempt.run_id, attempt.attempt)
+        counted = _tally([_as_result(r) for r in records], plan.conversations, len(plan.chunks))
+        return _stopped(settings, attempt, loop, counted)
+    tally = _tally(loop.results, plan.conversations, len(plan.chunks))
     problems = output.verify()
     summary = {
         "out": settings.out,
@@ -209,6 +213,19 @@ def _summary_row(summary: dict[str, Any]) -> dict[str, Any]:
         "generated_tokens_now": summary["generated_tokens_now"],
         "generated_tokens_per_s": summary["generated_tokens_per_s"],
         "verify": summary["verify"],
+    }
+
+
+def _as_result(record: dict[str, Any]) -> dict[str, Any]:
+    """A commit record read back, in the shape of the chunk task's result."""
+    return {
+        "index": record["index"],
+        "skipped": False,
+        "rows": record["rows"],
+        "generated_tokens": record["generated_tokens"],
+        "failed": len(record["failed"]),
+        "dropped": len(record["dropped"]),
+        "finish_reasons": record["finish_reasons"],
     }
 
 

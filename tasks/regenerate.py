@@ -56,7 +56,10 @@ def regenerate_chunk_task(run: RegenerationRun, index: int) -> dict[str, Any]:
     """One chunk of conversations, generated turn by turn and committed."""
     with logged_failures(f"regeneration chunk {index}") as logger:
         commit = run.regenerate(
-            index, str(flow_run.get_id() or "no-flow-run"), int(task_run.get_run_count() or 1)
+            index,
+            str(flow_run.get_id() or "no-flow-run"),
+            int(task_run.get_run_count() or 1),
+            int(flow_run.get_run_count() or 1),
         )
         if commit is None:
             return {"index": index, "skipped": True, "generated_tokens": 0, "seconds": 0.0}

@@ -49,9 +49,10 @@ class PartCommit:
     dropped: list[dict[str, Any]]  # {"id", "reason"}
     finish_reasons: dict[str, int]
     run_id: str
-    attempt: int
+    attempt: int  # of the chunk's task (2 after one retry)
     finished_at: float
     part: str = ""  # the part file's name in data/, chosen by write_part
+    flow_run_attempt: int = 1  # of the flow run (2 after a Retry from the UI)
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, sort_keys=True).encode()
@@ -113,6 +114,17 @@ class RegeneratedOutput:
             )
             for index in sorted(committed_parts(self.fs, self.root))
         }
+
+    def committed_by(self, run_id: str, flow_run_attempt: int) -> list[dict[str, Any]]:
+        """The commit records one attempt of one flow run wrote: a stopped run counts what it
+        committed from these, since a chunk in flight at the stop may have committed all the
+        same. (Records written before the field existed count as a first attempt.)"""
+        return [
+            record
+            for record in self.committed().values()
+            if record.get("run_id") == run_id
+            and int(record.get("flow_run_attempt", 1)) == flow_run_attempt
+        ]
 
     def _commit_path(self, index: int) -> str:
         return f"{self.root}/{COMMITS_DIR}/{part_name(index)}.json"

@@ -172,8 +172,11 @@ class RegenerationRun:
         done = self.output.committed_indices()
         return [i for i in range(len(self.plan.chunks)) if i not in done]
 
-    def regenerate(self, index: int, run_id: str, attempt: int) -> PartCommit | None:
-        """Generate chunk ``index`` and commit it; None when it was committed already."""
+    def regenerate(
+        self, index: int, run_id: str, attempt: int, flow_run_attempt: int = 1
+    ) -> PartCommit | None:
+        """Generate chunk ``index`` and commit it; None when it was committed already.
+        ``attempt`` is the chunk task's, ``flow_run_attempt`` the flow run's."""
         if self.output.is_committed(index):
             return None
         started = time.perf_counter()
@@ -205,6 +208,7 @@ class RegenerationRun:
             run_id=run_id,
             attempt=attempt,
             finished_at=time.time(),
+            flow_run_attempt=flow_run_attempt,
         )
         if stop_requested():  # never commit after a stop was asked for
             raise RunInterruptedError(f"chunk {index} abandoned before its commit: {stop_reason()}")

@@ -650,6 +650,17 @@ class ExtractionStore:
                 unreadable[index] = str(exc)
         return records
 
+    def committed_by(self, run_id: str, flow_run_attempt: int) -> list[CommitRecord]:
+        """The commit records one attempt of one flow run wrote (a stopped run counts what it
+        committed from these: a chunk in flight at the stop may have committed all the same).
+        A record's ``attempt`` is its chunk task's; the flow run's is in its ``extra``."""
+        return [
+            record
+            for record in self.committed_chunks().values()
+            if record.run_id == run_id
+            and int((record.extra or {}).get("flow_run_attempt", 1)) == flow_run_attempt
+        ]
+
     def pending_chunks(self) -> list[WorkChunk]:
         done = self.committed_chunks()
         return [chunk for chunk in self.work_chunks if chunk.index not in done]

@@ -582,3 +582,24 @@ def test_racing_commits_of_one_chunk_on_a_local_disk_leave_exactly_one_winner(
         "chunk-000000.json",
         "chunk-000001.json",
     ]  # no temporary file left behind
+
+
+def test_a_stopped_attempt_counts_the_commits_of_its_own_flow_attempt(
+    host: HostPipeline, tmp_path: Path
+) -> None:
+    """A record's ``attempt`` is its chunk task's (2 after a task retry); a stopped flow run
+    counts by the flow run's attempt (2 after a Retry from the UI), kept in the record's extra."""
+    plan = make_plan([30, 30, 30, 30], work=32)
+    store = ExtractionStore.open_or_create(str(tmp_path / "s"), plan, meta())
+    contexts = [
+        RunContext("run-a", attempt=1, extra={"flow_run_attempt": 1}),
+        RunContext("run-a", attempt=2, extra={"flow_run_attempt": 1}),  # its task retried once
+        RunContext("run-a", attempt=1, extra={"flow_run_attempt": 2}),  # after the UI's Retry
+        RunContext("run-b", attempt=1, extra={"flow_run_attempt": 2}),
+    ]
+    for chunk, context in zip(plan.chunks, contexts, strict=True):
+        extract_chunk(host, store, chunk, StatesEngine(), 100, context)
+    assert sorted(r.chunk_index for r in store.committed_by("run-a", 1)) == [0, 1]
+    assert [r.chunk_index for r in store.committed_by("run-a", 2)] == [2]
+    assert [r.chunk_index for r in store.committed_by("run-b", 2)] == [3]
+    assert store.committed_by("run-c", 1) == []

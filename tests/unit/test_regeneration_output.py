@@ -24,7 +24,9 @@ pytestmark = pytest.mark.timeout(60)
 FROZEN = {"sampling": {"temperature": 0.7}, "seed": 0, "max_tokens": 16}
 
 
-def commit_of(index: int, payload: bytes, attempt: int = 1) -> PartCommit:
+def commit_of(
+    index: int, payload: bytes, attempt: int = 1, run_id: str = "r", flow_run_attempt: int = 1
+) -> PartCommit:
     return PartCommit(
         index=index,
         conversations=1,
@@ -36,9 +38,10 @@ def commit_of(index: int, payload: bytes, attempt: int = 1) -> PartCommit:
         failed=[],
         dropped=[],
         finish_reasons={"stop": 1},
-        run_id="r",
+        run_id=run_id,
         attempt=attempt,
         finished_at=0.0,
+        flow_run_attempt=flow_run_attempt,
     )
 
 
@@ -125,3 +128,17 @@ def test_an_output_of_an_older_hsx_reads_its_unnamed_parts(tmp_path: Path) -> No
     (tmp_path / "regenerated" / "commits" / "part-000000.json").write_text(json.dumps(record))
     assert output.verify() == []
     assert [r.record["id"] for r in iter_rows(dataset_files(url), 1 << 20)] == ["s0"]
+
+
+def test_a_stopped_attempt_counts_the_parts_of_its_own_flow_attempt(url: str) -> None:
+    """What a stopped run reports committed comes from the records of its flow run's attempt
+    (a part's ``attempt`` is its task's), not from the futures it stopped waiting for."""
+    output = RegeneratedOutput(url)
+    output.open_or_create(FROZEN, chunks=4, conversations=4)
+    made = [("a", 1, 1), ("a", 2, 1), ("a", 1, 2), ("b", 1, 1)]  # run, task attempt, flow attempt
+    for index, (run_id, attempt, flow_attempt) in enumerate(made):
+        commit = commit_of(index, row(index), attempt, run_id, flow_attempt)
+        assert output.write_part(index, row(index), commit)
+    assert sorted(r["index"] for r in output.committed_by("a", 1)) == [0, 1]
+    assert [r["index"] for r in output.committed_by("a", 2)] == [2]
+    assert [r["index"] for r in output.committed_by("b", 1)] == [3]

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli_common import build_settings_of, console
+from flows.cli_common import build_settings_of, console, fail, parse_layer_ids
 from flows.run_guard import SignalStop, exit_code, guarded_run
 
 
@@ -51,10 +51,27 @@ def regenerate(
     tensor_parallel_size: Annotated[int | None, typer.Option(help="GPUs per engine.")] = None,
     engine_url: Annotated[
         str | None,
-        typer.Option(help="vLLM OpenAI-compatible server URL(s), comma-separated (vllm serve)."),
+        typer.Option(
+            help="vLLM OpenAI-compatible server URL(s), comma-separated (vllm serve; hsx "
+            "serve with --store)."
+        ),
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="Then extract the regenerated dataset into this store, with the model loaded "
+            "once (through --engine-url's hsx serve, else one started for the run)."
+        ),
+    ] = None,
+    layer_ids: Annotated[
+        str | None, typer.Option(help="With --store: comma-separated layer ids to capture.")
     ] = None,
 ) -> None:
     """Regenerate the assistant turns of a dataset with the target model (a Prefect flow run)."""
+    if layer_ids is not None and store is None:
+        fail(
+            "--layer-ids: expected with --store (the layers an extraction captures), found no --store"
+        )
     settings = build_settings_of(
         _settings_class(),
         model=model,
@@ -77,7 +94,16 @@ def regenerate(
             "engine.url": engine_url,
         },
     )
-    raise typer.Exit(run_regeneration(settings))
+    extract = None
+    if store is not None:
+        extract = build_settings_of(
+            _extraction_settings_class(),
+            model=model,
+            dataset=out,
+            store=store,
+            **{"capture.layer_ids": parse_layer_ids(layer_ids)},
+        )
+    raise typer.Exit(run_regeneration(settings, extract))
 
 
 def _settings_class() -> Any:
@@ -86,7 +112,15 @@ def _settings_class() -> Any:
     return RegenerateSettings
 
 
-def run_regeneration(settings: Any) -> int:
+def _extraction_settings_class() -> Any:
+    from settings import HsxSettings
+
+    return HsxSettings
+
+
+def run_regeneration(settings: Any, extract: Any = None) -> int:
+    """The regeneration (then, given ``extract``, the extraction of its output) as a flow run;
+    the exit code."""
     from hsx.errors import HsxError
     from hsx.regeneration.run import load_tokenizer, plan_regeneration
 
@@ -99,23 +133,31 @@ def run_regeneration(settings: Any) -> int:
         return 2
     prefect_home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
     with guarded_run(prefect_home / "hsx-servers") as stop:
-        code = _run_flow(settings, stop)
+        code = _run_flow(settings, extract, stop)
     if stop.signum is not None:
         sys.stdout.flush()
         os._exit(code)
     return code
 
 
-def _run_flow(settings: Any, stop: SignalStop) -> int:
+def _run_flow(settings: Any, extract: Any, stop: SignalStop) -> int:
     from prefect.exceptions import CancelledRun
 
+    from flows.extract import ExtractionIncompleteError
     from flows.regenerate import RegenerationIncompleteError, regenerate_flow
+    from flows.regenerate_extract import regenerate_extract_flow
     from hsx.errors import HsxError
 
     try:
-        summary = regenerate_flow(settings)
+        if extract is None:
+            summary = regenerate_flow(settings)
+        else:
+            summary = regenerate_extract_flow(settings, extract)
     except RegenerationIncompleteError as exc:
         console.print(f"[bold red]regeneration incomplete:[/] {exc}", soft_wrap=True)
+        return 1
+    except ExtractionIncompleteError as exc:
+        console.print(f"[bold red]extraction incomplete:[/] {exc}", soft_wrap=True)
         return 1
     except CancelledRun as exc:  # stopped: the flow run ends Cancelled, not Crashed or Failed
         return _report_stopped(stop, str(exc))
@@ -126,15 +168,24 @@ def _run_flow(settings: Any, stop: SignalStop) -> int:
         if stop.signum is None:
             raise
         return _report_stopped(stop, repr(exc))  # Prefect's SIGTERM bridge raised through it
-    table = Table(title="hsx regenerate", show_header=False)
     # A Cancelled end raises CancelledRun above: what comes back is the summary.
+    if extract is None:
+        _print_summary("hsx regenerate", summary)
+        console.print(
+            f"extract it with: hsx extract --model {settings.model} --dataset {settings.out} ..."
+        )
+        return 0
+    _print_summary("hsx regenerate", summary["regenerate"])
+    _print_summary("hsx extract", summary["extract"])
+    console.print(f"one engine served both: {summary['engine']}")
+    return 0
+
+
+def _print_summary(title: str, summary: dict[str, Any]) -> None:
+    table = Table(title=title, show_header=False)
     for key, value in dict(summary).items():
         table.add_row(key.replace("_", " "), str(value))
     console.print(table)
-    console.print(
-        f"extract it with: hsx extract --model {settings.model} --dataset {settings.out} ..."
-    )
-    return 0
 
 
 def _report_stopped(stop: SignalStop, detail: str) -> int:

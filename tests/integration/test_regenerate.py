@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -239,6 +240,7 @@ def test_sigkill_then_resume_generates_the_same_tokens_and_refuses_changed_sampl
         ),
         ("no_template", "expected a tokenizer with a chat template"),
         ("reserved", "expected no seed in sampling: hsx sets them per request"),
+        ("layers_alone", "--layer-ids: expected with --store"),
     ],
 )
 def test_bad_input_is_refused_before_any_load(
@@ -261,6 +263,7 @@ def test_bad_input_is_refused_before_any_load(
                 (model / item.name).symlink_to(item)
     out = tmp_path / "out"
     started = time.monotonic()
+    extra = ["--layer-ids", "1,2"] if case == "layers_alone" else []
     refused = hsx(
         "regenerate",
         "--model",
@@ -272,12 +275,55 @@ def test_bad_input_is_refused_before_any_load(
         "--sampling",
         sampling,
         *ENGINE,
+        *extra,
     )
     said = " ".join((refused.stdout + refused.stderr).split())
     assert refused.returncode == 2, said[-3000:]
     assert expected in said
     assert "Traceback" not in said and not out.exists()
     assert time.monotonic() - started < 120
+
+
+def test_regenerate_then_extract_loads_the_model_once(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """`hsx regenerate --store`: one `hsx serve` of the run's own generates the turns, then
+    captures the states of the regenerated conversations (their exact ids); no other engine is
+    built, and the server is gone at the end."""
+    out, store, home = tmp_path / "regenerated", tmp_path / "store.zarr", tmp_path / "prefect"
+    done = hsx(
+        *regenerate_args(tiny_llama, sample_dataset, out, samples=6),
+        "--store",
+        str(store),
+        "--layer-ids",
+        "1,3",
+        env={"PREFECT_HOME": str(home)},
+        timeout=600,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    (log,) = (home / "hsx-servers").glob("hsx-serve-*.log")  # one server, one model load
+    loads = [line for line in log.read_text().splitlines() if "hsx serve: loading" in line]
+    assert len(loads) == 1 and "layer ids [1, 3]" in loads[0], loads
+    instance = loads[0].split("(instance ", 1)[1].split(",", 1)[0]
+    assert "Initializing a V1 LLM engine" not in said  # no engine in the CLI's process
+    port = int(log.stem.rsplit("-", 1)[1])
+    assert f"one engine served both: http://127.0.0.1:{port}" in said
+    with pytest.raises(OSError):  # stopped with the run
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+    rows = rows_of(out)
+    assert len(rows) == 6
+    reader = HiddenStatesReader(str(store))
+    assert reader.num_samples == len(rows)
+    for index, row in enumerate(rows):
+        sample = reader.sample(index)
+        assert sample.input_ids.tolist() == row["input_ids"]  # the generated ids, as they were
+        assert sample.loss_mask.int().tolist() == row["loss_mask"]
+    commits = [json.loads(p.read_text()) for p in (store / "commits").glob("chunk-*.json")]
+    assert commits and {c["extra"]["engine_server"]["instance"] for c in commits} == {instance}
+    verified = hsx("verify", str(store))
+    assert verified.returncode == 0, verified.stdout[-2000:]
 
 
 def test_greedy_turns_replay_exactly_and_a_vllm_server_regenerates_the_same(

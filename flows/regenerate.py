@@ -75,7 +75,10 @@ def _regenerate(settings: RegenerateSettings, attempt: RunAttempt) -> dict[str, 
     tokenizer, plan = plan_regeneration_task(settings)
     output = RegeneratedOutput(settings.out)
     generator = make_generator(
-        settings.model, settings.engine, settings.generation.request_timeout_s
+        settings.model,
+        settings.engine,
+        settings.generation.request_timeout_s,
+        settings.generation.sampling,
     )
     try:
         run = RegenerationRun(settings, tokenizer, plan, generator, output)

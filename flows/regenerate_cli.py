@@ -122,12 +122,15 @@ def run_regeneration(settings: Any, extract: Any = None) -> int:
     """The regeneration (then, given ``extract``, the extraction of its output) as a flow run;
     the exit code."""
     from hsx.errors import HsxError
+    from hsx.regeneration.generators import check_capture_engine_sampling
     from hsx.regeneration.run import load_tokenizer, plan_regeneration
 
     try:
         # Seconds, before Prefect and the engine start: a bad row, sampling parameter or model
         # fails here.
         plan_regeneration(settings, load_tokenizer(settings.model))
+        if extract is not None:
+            check_capture_engine_sampling(settings.generation.sampling, "hsx serve, for --store")
     except HsxError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
         return 2

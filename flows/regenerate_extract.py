@@ -4,7 +4,8 @@ once.
 
 One engine serves both jobs: `hsx serve` (vLLM's own server with hsx's connector) generates for
 the regeneration, which sends no extraction channel, and captures states for the extraction,
-which does. With ``engine.url`` set the run uses those servers; without, it starts a server of
+which does. Its generation is greedy only (hsx.regeneration.generators says why); a sampled
+regeneration runs on a plain engine, then `hsx extract`. With ``engine.url`` set the run uses those servers; without, it starts a server of
 its own (flows.own_server) and stops it at its end. Each job is its own subflow run (`hsx runs`
 lists both, each with its record), so the UI's Retry of this run resumes both: the regeneration
 finds its chunks committed, the extraction its chunks.
@@ -23,6 +24,7 @@ from flows.extract import extract_flow
 from flows.own_server import own_server, serve_settings_for
 from flows.regenerate import regenerate_flow
 from flows.reporting import settings_from_parameters
+from hsx.regeneration.generators import check_capture_engine_sampling
 from settings import HsxSettings
 from settings.merge import merge_partial
 from settings.regenerate import RegenerateSettings
@@ -42,6 +44,7 @@ def regenerate_extract_flow(
     regeneration's."""
     logger = get_run_logger()
     regeneration = settings_from_parameters(settings, RegenerateSettings)
+    check_capture_engine_sampling(regeneration.generation.sampling, "hsx serve, for both jobs")
     extraction = extraction_settings(regeneration, extract)
     if regeneration.engine.url:
         return _both(regeneration, extraction, list(regeneration.engine.url))

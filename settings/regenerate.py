@@ -30,7 +30,8 @@ class GenerationSettings(StrictSection):
     sampling: dict[str, Any] = Field(
         default_factory=dict,
         description="vLLM sampling parameters merged into every request, as JSON "
-        '(\'{"temperature": 0.7, "top_p": 0.95}\'); default greedy. Checked against the '
+        '(\'{"temperature": 0.7, "top_p": 0.95}\'); default vLLM\'s (temperature 1.0; greedy is '
+        '{"temperature": 0}). Checked against the '
         "installed vLLM's SamplingParams before the load.",
     )
     max_tokens: int = Field(2048, ge=1, description="Most tokens generated for one turn.")

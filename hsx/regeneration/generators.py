@@ -3,8 +3,12 @@
 vLLM OpenAI-compatible servers (engine.url: ``vllm serve``, one or several). Callers never
 branch on where the engine lives.
 
-Generation runs on a plain engine: hsx's extraction engine (vLLM's extract_hidden_states method
-and hsx's connector) captures the states of every token it computes and is not built to decode.
+Generation runs on a plain engine in this process. Through `hsx serve` (an extraction engine:
+vLLM's extract_hidden_states speculative method and hsx's connector), generation is greedy only:
+that method changes sampled generations (bench/bench_capture_sampling.py, vLLM 0.32 on this CPU:
+a token equals the one before it in 77% of sampled tokens, 0.2% on a plain engine; greedy ids are
+equal on both, here and on an H100 with vLLM 0.26), and it decodes at 0.68 (CPU) to 0.78 (H100)
+of a plain engine's tokens/s.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import httpx
 
 from hsx.engine.options import cuda_available, engine_kwargs
-from hsx.engine.server_protocol import authorization_header
+from hsx.engine.server_protocol import INFO_PATH, authorization_header
 from hsx.errors import ConfigError, EngineError
 from hsx.regeneration.local_engine import GenerationDriver
 from hsx.regeneration.turns import GeneratedText
@@ -186,6 +190,8 @@ class ServedGenerator(TextGenerator):
             limits=httpx.Limits(max_connections=SERVED_IN_FLIGHT, max_keepalive_connections=64),
         )
         self.models = {url: self._model_name(url) for url in self.urls}
+        # `hsx serve` answers GET INFO_PATH (its instance, layers): an extraction engine.
+        self.extraction_servers = [url for url in self.urls if self._is_extraction_server(url)]
         self.pool = ThreadPoolExecutor(SERVED_IN_FLIGHT, thread_name_prefix="hsx-generate")
         self._lock = threading.Lock()
         self._sent = 0
@@ -199,6 +205,12 @@ class ServedGenerator(TextGenerator):
             raise EngineError(
                 f"engine.url {url}: expected /v1/models to name a model: {exc!r}"
             ) from exc
+
+    def _is_extraction_server(self, url: str) -> bool:
+        try:
+            return self.http.get(f"{url}{INFO_PATH}", headers=self.headers).status_code == 200
+        except httpx.HTTPError:
+            return False  # it answered /v1/models: a server without hsx's route
 
     def submit(
         self, requests: Sequence[GenerationRequest], sampling: dict[str, Any]
@@ -249,9 +261,40 @@ class ServedGenerator(TextGenerator):
         self.http.close()
 
 
-def make_generator(model_dir: Path, engine: EngineSettings, timeout_s: float) -> TextGenerator:
-    """The generator for these settings: servers where engine.url names them, else local."""
+def is_greedy(sampling: dict[str, Any]) -> bool:
+    """Whether these sampling parameters pick the likeliest token (vLLM's default temperature
+    is 1.0: greedy is asked for, never assumed)."""
+    return float(sampling.get("temperature", 1.0)) == 0.0
+
+
+def check_capture_engine_sampling(sampling: dict[str, Any], where: str) -> None:
+    """Refuse sampled generation on an extraction engine (``where`` names it): see the module's
+    docstring for what was measured."""
+    if is_greedy(sampling):
+        return
+    raise ConfigError(
+        f'generation.sampling: expected greedy ({{"temperature": 0}}) to regenerate on an '
+        f"extraction engine ({where}), found {sampling or 'vLLM defaults (temperature 1.0)'}: "
+        "vLLM's extract_hidden_states method changes sampled generations (77% of sampled tokens "
+        "repeated the one before, 0.2% on a plain engine: bench/bench_capture_sampling.py). "
+        "Regenerate on a plain engine (in this process, or `vllm serve` via --engine-url), then "
+        "`hsx extract` the output."
+    )
+
+
+def make_generator(
+    model_dir: Path, engine: EngineSettings, timeout_s: float, sampling: dict[str, Any]
+) -> TextGenerator:
+    """The generator for these settings: servers where engine.url names them, else local.
+    Sampled generation through `hsx serve` (an extraction engine) is refused."""
     if engine.url:
         key = engine.api_key.get_secret_value() if engine.api_key else None
-        return ServedGenerator(engine.url, key, timeout_s)
+        served = ServedGenerator(engine.url, key, timeout_s)
+        if served.extraction_servers:
+            try:
+                check_capture_engine_sampling(sampling, ", ".join(served.extraction_servers))
+            except ConfigError:
+                served.close()
+                raise
+        return served
     return LocalGenerator(model_dir, engine)

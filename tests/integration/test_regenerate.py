@@ -241,6 +241,10 @@ def test_sigkill_then_resume_generates_the_same_tokens_and_refuses_changed_sampl
         ("no_template", "expected a tokenizer with a chat template"),
         ("reserved", "expected no seed in sampling: hsx sets them per request"),
         ("layers_alone", "--layer-ids: expected with --store"),
+        (
+            "sampled_one_load",
+            'expected greedy ({"temperature": 0}) to regenerate on an extraction engine',
+        ),
     ],
 )
 def test_bad_input_is_refused_before_any_load(
@@ -263,7 +267,10 @@ def test_bad_input_is_refused_before_any_load(
                 (model / item.name).symlink_to(item)
     out = tmp_path / "out"
     started = time.monotonic()
-    extra = ["--layer-ids", "1,2"] if case == "layers_alone" else []
+    extra = {
+        "layers_alone": ["--layer-ids", "1,2"],
+        "sampled_one_load": ["--store", str(tmp_path / "never.zarr")],
+    }.get(case, [])
     refused = hsx(
         "regenerate",
         "--model",
@@ -281,6 +288,7 @@ def test_bad_input_is_refused_before_any_load(
     assert refused.returncode == 2, said[-3000:]
     assert expected in said
     assert "Traceback" not in said and not out.exists()
+    assert not (tmp_path / "never.zarr").exists()
     assert time.monotonic() - started < 120
 
 
@@ -291,8 +299,9 @@ def test_regenerate_then_extract_loads_the_model_once(
     captures the states of the regenerated conversations (their exact ids); no other engine is
     built, and the server is gone at the end."""
     out, store, home = tmp_path / "regenerated", tmp_path / "store.zarr", tmp_path / "prefect"
+    greedy = '{"temperature": 0.0}'  # an extraction engine generates greedily only
     done = hsx(
-        *regenerate_args(tiny_llama, sample_dataset, out, samples=6),
+        *regenerate_args(tiny_llama, sample_dataset, out, samples=6, sampling=greedy),
         "--store",
         str(store),
         "--layer-ids",

@@ -261,6 +261,51 @@ class _SlowServer(BaseHTTPRequestHandler):
         return None
 
 
+def test_regeneration_through_hsx_serve_is_greedy_then_extracts_without_a_second_load(
+    llama_server: ServeProcess, tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """`hsx regenerate --engine-url` at an extraction server: sampled generation refused (its
+    speculative method changes sampled tokens), naming the server; greedy with --store
+    regenerates, then extracts through the same server (no second load, no server of its own)."""
+    server = llama_server.ensure_up()
+    starts = server.starts
+    env = {"HSX_ENGINE__API_KEY": SERVE_KEY, "PREFECT_HOME": str(tmp_path / "prefect")}
+    common = [
+        "regenerate",
+        "--model",
+        str(tiny_llama),
+        "--dataset",
+        str(sample_dataset),
+        "--max-samples",
+        "4",
+        "--max-tokens",
+        "8",
+        "--engine-url",
+        server.url,
+        *TEST_ENGINE,
+    ]
+    sampled = tmp_path / "sampled"
+    refused = hsx(*common, "--out", str(sampled), "--sampling", '{"temperature": 0.7}', env=env)
+    assert refused.returncode == 2, said(refused)[-3000:]
+    assert f"regenerate on an extraction engine ({server.url})" in said(refused)
+    assert not list((sampled / "commits").glob("*.json"))
+
+    out, store = tmp_path / "greedy", tmp_path / "s.zarr"
+    greedy = '{"temperature": 0}'
+    done = hsx(*common, "--out", str(out), "--sampling", greedy, "--store", str(store), env=env)
+    assert done.returncode == 0, said(done)[-3000:]
+    assert f"one engine served both: {server.url}" in said(done)
+    assert not list((tmp_path / "prefect").rglob("hsx-serve-*.log"))  # no server of its own
+    assert server.starts == starts and server.process is not None
+    assert server.process.poll() is None  # the given server is left running
+    opened = ExtractionStore.open(str(store))
+    records = opened.committed_chunks().values()
+    assert len(records) == len(opened.work_chunks) > 0
+    assert {(r.extra or {})["engine_server"]["instance"] for r in records} == {
+        server.info()["instance"]
+    }
+
+
 def test_a_slow_server_never_holds_up_chunks_of_the_others(
     llama_server: ServeProcess, tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:

@@ -42,6 +42,7 @@ def test_deployment_entrypoints_and_parameters_are_valid() -> None:
         "verify": "hsx-verify",
         "export": "hsx-export",
         "regenerate": "hsx-regenerate",
+        "regenerate-extract": "hsx-regenerate-extract",
     }
     (regenerate,) = [d for d in spec["deployments"] if d["name"] == "regenerate"]
     rendered = yaml.safe_load(
@@ -51,6 +52,16 @@ def test_deployment_entrypoints_and_parameters_are_valid() -> None:
 
     regeneration = RegenerateSettings.model_validate(rendered)
     assert regeneration.generation.sampling == {"temperature": 0.7}
+    (both,) = [d for d in spec["deployments"] if d["name"] == "regenerate-extract"]
+    rendered = yaml.safe_load(
+        yaml.safe_dump(both["parameters"]).replace("{{ $HSX_REPO }}", str(ROOT))
+    )
+    from flows.regenerate_extract import extraction_settings
+
+    greedy = RegenerateSettings.model_validate(rendered["settings"])
+    extraction = extraction_settings(greedy, rendered["extract"])
+    assert str(extraction.dataset) == greedy.out and extraction.store.endswith("greedy.zarr")
+    assert greedy.generation.sampling == {"temperature": 0}
     (fanout,) = [d for d in spec["deployments"] if d["name"] == "extract-fanout"]
     from settings import FanoutSettings
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.table import Table
@@ -172,6 +172,7 @@ def _run_flow(settings: Any, extract: Any, stop: SignalStop) -> int:
             raise
         return _report_stopped(stop, repr(exc))  # Prefect's SIGTERM bridge raised through it
     # A Cancelled end raises CancelledRun above: what comes back is the summary.
+    summary = cast(dict[str, Any], summary)
     if extract is None:
         _print_summary("hsx regenerate", summary)
         console.print(

@@ -78,7 +78,7 @@ def _regenerate(settings: RegenerateSettings, attempt: RunAttempt) -> dict[str, 
         settings.model,
         settings.engine,
         settings.generation.request_timeout_s,
-        settings.generation.sampling,
+        plan.sampling,
     )
     try:
         run = RegenerationRun(settings, tokenizer, plan, generator, output)

@@ -128,9 +128,9 @@ def run_regeneration(settings: Any, extract: Any = None) -> int:
     try:
         # Seconds, before Prefect and the engine start: a bad row, sampling parameter or model
         # fails here.
-        plan_regeneration(settings, load_tokenizer(settings.model))
+        plan = plan_regeneration(settings, load_tokenizer(settings.model))
         if extract is not None:
-            check_capture_engine_sampling(settings.generation.sampling, "hsx serve, for --store")
+            check_capture_engine_sampling(plan.sampling, "hsx serve, for --store")
     except HsxError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
         return 2

@@ -24,7 +24,7 @@ from flows.extract import extract_flow
 from flows.own_server import own_server, serve_settings_for
 from flows.regenerate import regenerate_flow
 from flows.reporting import settings_from_parameters
-from hsx.regeneration.generators import check_capture_engine_sampling
+from hsx.regeneration.generators import check_capture_engine_sampling, effective_sampling
 from settings import HsxSettings
 from settings.merge import merge_partial
 from settings.regenerate import RegenerateSettings
@@ -44,7 +44,8 @@ def regenerate_extract_flow(
     regeneration's."""
     logger = get_run_logger()
     regeneration = settings_from_parameters(settings, RegenerateSettings)
-    check_capture_engine_sampling(regeneration.generation.sampling, "hsx serve, for both jobs")
+    sampling = effective_sampling(regeneration.model, regeneration.generation.sampling)
+    check_capture_engine_sampling(sampling, "hsx serve, for both jobs")
     extraction = extraction_settings(regeneration, extract)
     if regeneration.engine.url:
         return _both(regeneration, extraction, list(regeneration.engine.url))

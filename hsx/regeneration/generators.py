@@ -13,6 +13,7 @@ of a plain engine's tokens/s.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -259,6 +260,41 @@ class ServedGenerator(TextGenerator):
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+
+
+# generation_config.json keys vLLM applies as sampling defaults (ModelConfig's
+# get_diff_sampling_param, which `vllm serve` applies to every request and `LLM.generate` with
+# explicit SamplingParams does not).
+MODEL_SAMPLING_KEYS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+)
+
+
+def model_sampling_defaults(model_dir: Path) -> dict[str, Any]:
+    """The sampling defaults the model folder's generation_config.json sets ({} without one)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: expected a JSON object, found unreadable JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(config).__name__}")
+    return {key: config[key] for key in MODEL_SAMPLING_KEYS if config.get(key) is not None}
+
+
+def effective_sampling(model_dir: Path, sampling: dict[str, Any]) -> dict[str, Any]:
+    """What every request is sent: the model's defaults under the run's own parameters, whole,
+    so an in-process engine and any server generate alike (a server would otherwise apply the
+    model's defaults and this process vLLM's neutral ones)."""
+    return {**model_sampling_defaults(model_dir), **sampling}
 
 
 def is_greedy(sampling: dict[str, Any]) -> bool:

@@ -31,7 +31,13 @@ from hsx.plan.frozen_inputs import (
     vocabulary_fingerprint,
     weights_fingerprint,
 )
-from hsx.regeneration.generators import GenerationRequest, TextGenerator, check_sampling
+from hsx.regeneration.generators import (
+    GenerationRequest,
+    TextGenerator,
+    check_sampling,
+    effective_sampling,
+    model_sampling_defaults,
+)
 from hsx.regeneration.output import PartCommit, RegeneratedOutput, part_digest
 from hsx.regeneration.turns import (
     END_OF_THINKING,
@@ -92,6 +98,7 @@ class RegenerationPlan:
     chunks: list[list[Conversation]]
     frozen: dict[str, Any]
     max_model_len: int
+    sampling: dict[str, Any]  # sent whole with every request (generators.effective_sampling)
     conversations: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +132,7 @@ def plan_regeneration(settings: RegenerateSettings, tokenizer: Any) -> Regenerat
         "chat_template_fingerprint": chat_template_fingerprint(tokenizer),
         "chat_template_kwargs": generation.chat_template_kwargs,
         "sampling": generation.sampling,
+        **_model_defaults_frozen(settings.model),
         "max_tokens": generation.max_tokens,
         "seed": generation.seed,
         "turns": generation.turns,
@@ -141,7 +149,15 @@ def plan_regeneration(settings: RegenerateSettings, tokenizer: Any) -> Regenerat
         "engine_dtype": resolve_dtype(settings.engine, config),
         "max_model_len": max_model_len,
     }
-    return RegenerationPlan(chunks, frozen, max_model_len)
+    sampling = effective_sampling(settings.model, generation.sampling)
+    return RegenerationPlan(chunks, frozen, max_model_len, sampling)
+
+
+def _model_defaults_frozen(model_dir: Path) -> dict[str, Any]:
+    """The model's sampling defaults change what is generated: frozen where it sets any (an
+    output made without them keeps resuming)."""
+    defaults = model_sampling_defaults(model_dir)
+    return {"model_sampling_defaults": defaults} if defaults else {}
 
 
 @dataclass
@@ -220,7 +236,7 @@ class RegenerationRun:
         """Every conversation turn by turn, each sending its next turn as soon as its last answer
         arrives: no barrier per turn, so a short conversation never waits for the chunk's
         longest answer, and the engine's batches stay full."""
-        sampling = self.settings.generation.sampling
+        sampling = self.plan.sampling
         waiting: dict[Future[GeneratedText], tuple[ConversationRegeneration, int]] = {}
 
         def send(ready: list[ConversationRegeneration]) -> None:

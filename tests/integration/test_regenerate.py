@@ -335,6 +335,32 @@ def test_regenerate_then_extract_loads_the_model_once(
     assert verified.returncode == 0, verified.stdout[-2000:]
 
 
+def test_the_models_generation_config_sets_the_sampling_defaults_in_process(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """No --sampling, and a model whose generation_config.json asks for temperature 0: the
+    in-process engine generates greedily as a server would (vLLM's LLM.generate would sample at
+    1.0), so two run seeds give the same rows; the defaults are frozen in the manifest."""
+    model = tmp_path / "greedy-by-default"
+    model.mkdir()
+    for item in tiny_llama.iterdir():
+        if item.name != "generation_config.json":
+            (model / item.name).symlink_to(item)
+    config = json.loads((tiny_llama / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    rows = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"seed-{seed}"
+        args = regenerate_args(model, sample_dataset, out, samples=4)
+        at = args.index("--sampling")
+        done = hsx(*args[:at], *args[at + 2 :], "--seed", seed)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rows.append([(r["input_ids"], r["loss_mask"]) for r in rows_of(out)])
+        manifest = json.loads((out / "hsx-regeneration.json").read_text())
+        assert manifest["frozen_inputs"]["model_sampling_defaults"] == {"temperature": 0.0}
+    assert rows[0] == rows[1] and len(rows[0]) > 0
+
+
 def test_greedy_turns_replay_exactly_and_a_vllm_server_regenerates_the_same(
     tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from hsx.store.zarr_store import ExtractionStore
+from tests.api_log import ApiLogTally
 from tests.cli import hsx
 from tests.conftest import REPO_ROOT
 from tests.fault_proxy import FaultProxy
@@ -144,6 +145,7 @@ def _three_nodes(
         for n, server in enumerate(servers)
     ]
     os.environ["HSX_ZOMBIE_WINDOW_S"] = str(ZOMBIE_WINDOW_S)  # read by infra/prefect-up.sh
+    os.environ["PREFECT_SERVER_LOGGING_LEVEL"] = "INFO"  # its access log: the API requests
     try:
         with running_stack("sqlite", workers=workers) as stack:
             _all_chunks_once(stack, servers, proxy, s3)
@@ -154,16 +156,19 @@ def _three_nodes(
             _a_restarted_prefect_server(stack, alive, proxy)
     finally:
         os.environ.pop("HSX_ZOMBIE_WINDOW_S", None)
+        os.environ.pop("PREFECT_SERVER_LOGGING_LEVEL", None)
 
 
 def _all_chunks_once(
     stack: Stack, servers: list[ServeProcess], proxy: FaultProxy, s3: dict[str, str]
 ) -> None:
     url = f"s3://{BUCKET}/fanout.zarr"
-    started = time.monotonic()
-    parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 96, 0.001))
-    done = stack.wait(parent, timeout=600)
-    wall = time.monotonic() - started
+    with ApiLogTally(stack.home / f"server-{stack.port}.log") as api:
+        started = time.monotonic()
+        parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 96, 0.001))
+        done = stack.wait(parent, timeout=600)
+        wall = time.monotonic() - started
+        calls = api.window(started, started + wall)
     assert done["state_type"] == "COMPLETED", done["state"]["message"]
     store = ExtractionStore.open(url)
     chunks = [c.index for c in store.work_chunks]
@@ -183,7 +188,23 @@ def _all_chunks_once(
         f"\n3 nodes: {len(chunks)} chunks in {len(children)} items, {wall:.1f} s; per node "
         f"{json.dumps(nodes)}; S3 requests {dict(proxy.requests)}"
     )
-    print("measured (bench/simulate_nodes.py --compare): " + json.dumps(_measured(store, children)))
+    # Every request the server answered meanwhile: the parent's, the children's, the four
+    # workers' polls (every 2 s here) and the runs' heartbeats.
+    assert calls.requests > 0 and calls.websockets > 0, calls
+    busiest = ", ".join(f"{route} {n}" for route, n in calls.by_path.most_common(8))
+    print(
+        f"Prefect API over the run: {calls.requests} requests, {calls.requests / len(chunks):.1f} "
+        f"per chunk, {calls.mean_per_s:.1f}/s mean, {calls.peak_per_s}/s peak (1 s), "
+        f"{calls.websockets} websockets opened; busiest: {busiest}"
+    )
+    measured = {
+        **_measured(store, children),
+        "api_requests": calls.requests,
+        "api_per_chunk": round(calls.requests / len(chunks), 2),
+        "api_mean_per_s": round(calls.mean_per_s, 2),
+        "api_peak_per_s": calls.peak_per_s,
+    }
+    print("measured (bench/simulate_nodes.py --compare): " + json.dumps(measured))
 
 
 def _measured(store: ExtractionStore, children: list[dict[str, Any]]) -> dict[str, float]:

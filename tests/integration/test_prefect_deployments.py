@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hsx.store.reader import HiddenStatesReader
 from hsx.store.zarr_store import ExtractionStore
 from tests.cli import hsx
 from tests.conftest import REPO_ROOT
@@ -45,10 +46,35 @@ def test_the_ui_shows_the_api_of_its_own_port(stack: Stack) -> None:
         "verify",
         "export",
         "regenerate",
+        "regenerate-extract",
     }
     assert names["verify"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
     extract = names["extract"]["parameters"]["settings"]
     assert extract["model"] == f"{REPO_ROOT}/models/tiny-llama"  # usable as it is
+
+
+def test_regenerate_then_extract_runs_from_its_deployment(stack: Stack, tmp_path: Path) -> None:
+    """The deployment with partial parameters for both jobs: the worker's flow run starts its
+    own `hsx serve`, regenerates greedily through it, extracts through it, and stops it."""
+    out, store = tmp_path / "regenerated", tmp_path / "regenerated.zarr"
+    run_id = stack.run(
+        "hsx-regenerate-extract",
+        "regenerate-extract",
+        {
+            "settings": {"out": str(out), "data": {"max_samples": 4}},
+            "extract": {"store": str(store)},
+        },
+    )
+    done = stack.wait(run_id, timeout=600)
+    assert done["state_type"] == "COMPLETED", done["state"]["message"]
+    opened = ExtractionStore.open(str(store))
+    assert sorted(opened.committed_chunks()) == [c.index for c in opened.work_chunks]
+    rows = sum(len(p.read_text().splitlines()) for p in (out / "data").glob("part-*.jsonl"))
+    assert HiddenStatesReader(str(store)).num_samples == rows > 0
+    logs = list(stack.home.rglob("hsx-serve-*.log"))  # the run's own server, one load
+    assert len(logs) == 1 and logs[0].read_text().count("hsx serve: loading") == 1
+    verified = hsx("verify", str(store), env=stack.env)
+    assert verified.returncode == 0, verified.stdout[-2000:]
 
 
 def test_three_deployments_run_with_partial_parameters(stack: Stack, tmp_path: Path) -> None:

@@ -275,6 +275,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b"))
     parser.add_argument("--kv-cache-gib", type=float, default=40.0)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--no-warm-up", action="store_true", help="no untimed round first (a machine already warm)"
+    )
     args = parser.parse_args()
     if args.side:
         spec = json.loads(Path(args.spec).read_text())
@@ -305,7 +308,8 @@ def main() -> None:
         }
         spec_path = scratch / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        one_round(spec_path, scratch, -1)  # warms the machine's caches (CUDA, imports, files)
+        if not args.no_warm_up:
+            one_round(spec_path, scratch, -1)  # warms the machine's caches (CUDA, imports, files)
         rounds = [one_round(spec_path, scratch, number) for number in range(args.rounds)]
         report(rounds)
     finally:

@@ -4,6 +4,7 @@
 # needs): regenerate-then-extract through one `hsx serve` (one load) against a plain engine's
 # regeneration then in-process extraction (two loads), bench/bench_regenerate_extract.py.
 #   CONV=400 MAX_TOKENS=256 ROUNDS=2 bash bench/regenerate_extract_on_gpu.sh
+# WARM=1: no untimed warm-up round (a later call on the same warm machine).
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 if [ ! -d /tmp/site/vllm ]; then
@@ -17,5 +18,5 @@ export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STA
   PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 VLLM_LOGGING_LEVEL=WARNING
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout "${BENCH_TIMEOUT:-560}" python3 bench/bench_regenerate_extract.py --conversations "${CONV:-400}" \
-  --max-tokens "${MAX_TOKENS:-256}" --rounds "${ROUNDS:-2}" --kv-cache-gib "${KV:-40}" \
+  --max-tokens "${MAX_TOKENS:-256}" --rounds "${ROUNDS:-2}" --kv-cache-gib "${KV:-40}" ${WARM:+--no-warm-up} \
   2>&1 | tee "$out/regenerate-extract.log" | grep -v -i "warn" | grep -E "^(round|REGEN|Trace|  |[A-Za-z]*Error)" | tail -40

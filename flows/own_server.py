@@ -13,24 +13,24 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hsx.engine.server_process import (
+    process_gone,
+    start_server_process,
+    stop_server_process,
+    wait_until_healthy,
+)
 from hsx.errors import EngineError
 from settings import HsxSettings, ServeSettings
 
 # How often the parent asks the starting server whether it is ready.
 READY_POLL_S = 1.0
-# How long a stopping server may take to exit after SIGTERM before it is killed.
-STOP_GRACE_S = 60.0
 
 
 def serve_settings_for(extraction: HsxSettings, probe: bool) -> ServeSettings:
@@ -58,7 +58,8 @@ def _free_port() -> int:
 @contextmanager
 def own_server(settings: ServeSettings, log_dir: Path, say: Any) -> Iterator[str]:
     """Start `hsx serve` with ``settings``, yield its URL once it answers, stop it at the end.
-    ``say`` takes progress lines (a run logger's info)."""
+    ``say`` takes progress lines (a run logger's info). The server dies with this process
+    (hsx.engine.server_process): a flow process killed by its worker leaves no model loaded."""
     log_dir.mkdir(parents=True, exist_ok=True)
     handle, settings_path = tempfile.mkstemp(prefix="hsx-serve-", suffix=".json", dir=log_dir)
     with os.fdopen(handle, "w") as file:  # mkstemp: readable by this user only
@@ -67,20 +68,26 @@ def own_server(settings: ServeSettings, log_dir: Path, say: Any) -> Iterator[str
     url = f"http://{settings.server.host}:{settings.server.port}"
     say(f"starting hsx serve for this run at {url} (log {log_path})")
     with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "flows.own_server", settings_path],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=_child_environment(),
-            start_new_session=True,  # its vLLM processes stop with it, not with a Ctrl-C here
+        command = [sys.executable, "-m", "flows.own_server", settings_path]
+        # SIGTERM if this process dies: `hsx serve` stops its vLLM server's whole group on it.
+        process = start_server_process(
+            command, _child_environment(), log, death_signal=signal.SIGTERM
         )
     try:
-        started = time.monotonic()
-        _wait_ready(process, url, log_path, settings.server.ready_timeout_s)
-        say(f"hsx serve ready at {url} after {time.monotonic() - started:.1f} s (model loaded)")
+        try:
+            seconds = wait_until_healthy(
+                url, settings.server.ready_timeout_s, process_gone(process), READY_POLL_S
+            )
+        except EngineError as exc:
+            raise EngineError(
+                f"hsx serve for this run: {exc} (server.ready_timeout_s="
+                f"{settings.server.ready_timeout_s:g}); its log ({log_path}) ends:\n"
+                f"{_tail(log_path)}"
+            ) from exc
+        say(f"hsx serve ready at {url} after {seconds:.1f} s (model loaded)")
         yield url
     finally:
-        _stop(process)
+        stop_server_process(process)
         Path(settings_path).unlink(missing_ok=True)
 
 
@@ -89,40 +96,6 @@ def _child_environment() -> dict[str, str]:
     the child reads none of them, and a stale HSX_ENGINE__URL would make it a client."""
     sections = ("HSX_ENGINE", "HSX_CAPTURE", "HSX_SERVER", "HSX_MODEL")
     return {k: v for k, v in os.environ.items() if not k.startswith(sections)}
-
-
-def _wait_ready(process: subprocess.Popen[bytes], url: str, log_path: Path, limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        code = process.poll()
-        if code is not None:
-            raise EngineError(
-                f"hsx serve for this run: expected it to start, found it exited with {code} "
-                f"before it was ready; its log ({log_path}) ends:\n{_tail(log_path)}"
-            )
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
-                if answer.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass  # not listening yet: still loading
-        time.sleep(READY_POLL_S)
-    _stop(process)
-    raise EngineError(
-        f"hsx serve for this run: expected it ready within server.ready_timeout_s={limit_s:.0f} "
-        f"s, found it still loading; its log ({log_path}) ends:\n{_tail(log_path)}"
-    )
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
 
 
 def _tail(path: Path, size: int = 4000) -> str:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from hsx.engine.platform import die_with_parent
+from hsx.engine.server_process import (
+    process_gone,
+    start_server_process,
+    stop_server_process,
+    wait_until_healthy,
+)
+from hsx.errors import EngineError
 
 
 def _site_dir_of(package: str) -> str:
@@ -50,60 +53,32 @@ class TemporaryServer:
             "PREFECT__SERVER_FINAL": "1",
         }
         env.pop("PREFECT_API_URL", None)
+        command = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            _site_dir_of("prefect"),
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
+        ]
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "uvicorn",
-                    "--app-dir",
-                    _site_dir_of("prefect"),
-                    "--factory",
-                    "prefect.server.api.server:create_app",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--log-level",
-                    "error",
-                    "--lifespan",
-                    "on",
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # the terminal's Ctrl-C goes to the CLI alone
-                preexec_fn=die_with_parent,
-            )
-        self._wait_ready(timeout_s)
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"temporary Prefect server: expected it to serve {self.api_url}, found it "
-                    f"exited with {self.process.returncode}; its log: {self.log_path}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(
-            f"temporary Prefect server: expected {self.api_url}/health within {timeout_s:.0f} s, "
-            f"found no answer; its log: {self.log_path}"
-        )
+            self.process = start_server_process(command, env, log)
+        try:
+            wait_until_healthy(self.api_url, timeout_s, process_gone(self.process), poll_s=0.2)
+        except EngineError as exc:
+            self.stop()
+            raise RuntimeError(
+                f"temporary Prefect server: {exc}; its log: {self.log_path}"
+            ) from exc
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_server_process(self.process, grace_s=5.0)

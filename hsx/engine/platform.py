@@ -106,10 +106,12 @@ def cpu_thread_binding(tensor_parallel_size: int) -> str | None:
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Popen's ``preexec_fn`` (in the child, between fork and exec): the kernel kills the child
-    when its parent dies, whatever kills the parent (an OOM kill leaves no orphan behind)."""
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Popen's ``preexec_fn`` (in the child, between fork and exec): the kernel sends the child
+    ``signum`` when its parent dies, whatever kills the parent (an OOM kill leaves no orphan
+    behind). SIGTERM for a child that stops what it started itself on SIGTERM (`hsx serve`,
+    vLLM's server: a SIGKILL would orphan their engine core)."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(_PR_SET_PDEATHSIG, signum)

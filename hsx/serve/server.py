@@ -30,10 +30,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import httpx
-
 from hsx.engine.options import engine_kwargs, resolve_dtype
-from hsx.engine.platform import cpu_thread_binding, die_with_parent, exit_description
+from hsx.engine.platform import cpu_thread_binding, exit_description
+from hsx.engine.server_process import (
+    signal_group,
+    start_server_process,
+    stop_server_process,
+    wait_until_healthy,
+)
 from hsx.engine.server_protocol import (
     API_KEY_ENV,
     MIDDLEWARE,
@@ -57,8 +61,6 @@ VLLM_SERVE = ("-m", "vllm.entrypoints.cli.main", "serve")
 VLLM_API_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
 # engine_kwargs keys that are not `vllm serve` flags of the same name.
 _NOT_FLAGS = {"model"}
-# How long a stopped server may take to shut its engine down before its group is killed.
-STOP_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -292,29 +294,6 @@ def check_port_free(host: str, port: int) -> None:
             ) from exc
 
 
-def wait_until_healthy(url: str, timeout_s: float, alive: Callable[[], str | None]) -> float:
-    """Seconds until ``GET /health`` answers 200. EngineError when the time runs out or
-    ``alive()`` says why the server is gone (it returns None while it runs)."""
-    started = time.monotonic()
-    last = "no answer yet"
-    while time.monotonic() - started < timeout_s:
-        gone = alive()
-        if gone is not None:
-            raise EngineError(f"server {url}: {gone} before it was ready (last: {last})")
-        try:
-            response = httpx.get(f"{url}/health", timeout=5)
-            if response.status_code == 200:
-                return time.monotonic() - started
-            last = f"HTTP {response.status_code}"
-        except httpx.HTTPError as exc:
-            last = repr(exc)
-        time.sleep(0.5)
-    raise EngineError(
-        f"server {url}: expected /health to answer 200 within {timeout_s:g} s "
-        f"(server.ready_timeout_s), found {last}"
-    )
-
-
 def notify_systemd(state: str) -> bool:
     """sd_notify(3) without libsystemd: tell systemd (a ``Type=notify`` unit) that the server
     is ready or stopping, so that units ordered after it start only once the model is loaded.
@@ -376,9 +355,9 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
     # A session of its own: a stop reaches the server through this process (SIGTERM first,
     # then its whole group), and the kernel kills it if this process dies.
     try:
-        child = subprocess.Popen(
-            plan.command(), env=env, start_new_session=True, preexec_fn=die_with_parent
-        )
+        # SIGTERM if this process dies: vLLM's server then stops its engine core (a SIGKILL
+        # left the engine core running, the model loaded).
+        child = start_server_process(plan.command(), env, death_signal=signal.SIGTERM)
     except OSError:
         marker.unlink(missing_ok=True)
         raise
@@ -389,7 +368,7 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
         if not stopping:
             notify_systemd("STOPPING=1")
             say(f"hsx serve: {signal.Signals(signum).name}: stopping the server")
-            _signal_group(child, signal.SIGTERM)
+            signal_group(child, signal.SIGTERM)
         stopping.append(signum)
 
     def gone() -> str | None:
@@ -404,7 +383,7 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
             seconds = wait_until_healthy(plan.url, server.ready_timeout_s, gone)
         except EngineError as exc:
             say(f"hsx serve: {exc}")
-            _stop(child)
+            stop_server_process(child)
             code = _exit_code(child, say)
             return code if stopping else code or 1  # a failed start is a failure
         _write_info(
@@ -420,31 +399,15 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
         while child.poll() is None:
             time.sleep(0.5)
         if stopping:
-            _stop(child)
+            stop_server_process(child)
         return _exit_code(child, say)
     finally:
         if child.poll() is None:
-            _stop(child)
+            stop_server_process(child)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         info_path.unlink(missing_ok=True)
         marker.unlink(missing_ok=True)
-
-
-def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signum)
-
-
-def _stop(child: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the server's group, then SIGKILL after the grace period."""
-    _signal_group(child, signal.SIGTERM)
-    try:
-        child.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        _signal_group(child, signal.SIGKILL)
-        child.wait()
-    _signal_group(child, signal.SIGKILL)  # what the server left of its group (engine core)
 
 
 def _exit_code(child: subprocess.Popen[bytes], say: Callable[[str], None]) -> int:

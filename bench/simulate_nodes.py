@@ -53,6 +53,9 @@ class Inputs:
     api_calls_per_chunk: int = 3  # task run create + Running + Completed
     api_calls_per_run: int = 6  # flow run states, logs (half at start, half at end)
     heartbeat_s: float = 5.0
+    # A child reads its own state this often (timeouts.state_watch_s): one API request per
+    # running child per period, the largest share measured in the 3-node run. 0 = not modelled.
+    state_watch_s: float = 2.0
     zombie_window_s: float = 30.0
     automation_latency_s: float = 5.0  # trigger fired -> Crashed state set
     puts_per_chunk: int = 1  # store objects of one chunk (one more PUT: its commit record)
@@ -314,12 +317,24 @@ class Simulation:
         run.last_hb_s = self.now
         self.at(self.now + self.p.heartbeat_s, self.heartbeat, run, gen)
 
+    def state_watch(self, run: Run, gen: int) -> None:
+        if gen != run.gen:
+            return
+        self.call_api(1)
+        self.at(self.now + self.p.state_watch_s, self.state_watch, run, gen)
+
+    def watch_state(self, run: Run) -> None:
+        """The child's state watch: its first read one period from now."""
+        if self.p.state_watch_s > 0:
+            self.at(self.now + self.p.state_watch_s, self.state_watch, run, run.gen)
+
     def child_begin(self, run: Run) -> None:
         run.started_s = self.now
         self.call_api(self.p.api_calls_per_run // 2)
         if run.failover is not None and run.failover.resubmit_started_s is None:
             run.failover.resubmit_started_s = self.now
         self.heartbeat(run, run.gen)
+        self.watch_state(run)
         self.start_chunk(run)
 
     def start_chunk(self, run: Run) -> None:
@@ -415,6 +430,7 @@ class Simulation:
         assert run.step is not None
         self.schedule(run, remaining_s, run.step)
         self.heartbeat(run, run.gen)  # the missed heartbeat timer fires at once
+        self.watch_state(run)
 
     def watch_heartbeats(self, run: Run, failover: Failover) -> None:
         # The automation's trigger would fire one window after the last heartbeat seen.

@@ -27,10 +27,6 @@ from settings import EngineSettings, HsxSettings
 from tasks.common import backoff
 from tasks.extract import extract_chunk_task
 
-# How often a child reads its own state: a run the parent, an operator or the zombie automation
-# moved out of Running stops committing within this many seconds.
-STATE_WATCH_S = 2.0
-
 
 class ItemIncompleteError(RuntimeError):
     """Raised when a work item ends with chunks neither committed by it nor by another attempt."""
@@ -57,7 +53,7 @@ def extract_item_flow(
         resolved.store,
         ", ".join(resolved.engine.url) or "an engine of this process",
     )
-    watch = _StateWatch()
+    watch = _StateWatch(resolved.timeouts.state_watch_s)
     with ExtractionRun.open(resolved) as run:
         store = run.store()
         wanted = set(chunks)
@@ -130,12 +126,13 @@ def _item_end(item: str, tally: ChunkTally, servers: list[str]) -> dict[str, Any
 
 
 class _StateWatch:
-    """Reads this flow run's state every STATE_WATCH_S; once it is no longer Running (the
+    """Reads this flow run's state every ``period_s`` (timeouts.state_watch_s); once it is no longer Running (the
     parent or an operator cancelled it, or the zombie automation declared it Crashed) the run
     stops, and its chunks abandon before their commit rather than commit work the parent is
     already giving to another node."""
 
-    def __init__(self) -> None:
+    def __init__(self, period_s: float) -> None:
+        self._period_s = period_s
         # Read here: the thread has no run context of its own.
         self._logger = get_run_logger()
         self._run_id = flow_run.get_id()
@@ -152,7 +149,7 @@ class _StateWatch:
     def _watch(self) -> None:
         run_id = UUID(str(self._run_id))
         logger = self._logger
-        while not self._done.wait(STATE_WATCH_S):
+        while not self._done.wait(self._period_s):
             try:
                 with get_client(sync_client=True) as client:
                     state = client.read_flow_run(run_id).state

@@ -196,3 +196,16 @@ def test_the_presets_run(capsys: pytest.CaptureFixture[str]) -> None:
         out = capsys.readouterr().out
         assert "chunks lost (must be 0)" in out and "makespan" in out
     assert isinstance(simulate(three_node_test()), SimResult)
+
+
+def test_each_running_child_reads_its_state_once_per_period() -> None:
+    """The state watch (timeouts.state_watch_s): one API request per running child per period,
+    the first one period after it starts, none after it ends."""
+    p = small(state_watch_s=2.0)
+    _, items = counts(p)
+    item_s = p.chunks_per_item * (chunk_s(p) + commit_s(p))  # one child's chunks, one node
+    watched = simulate(p).api_requests - simulate(small(state_watch_s=0.0)).api_requests
+    assert watched == items * int(item_s // p.state_watch_s)
+    assert simulate(small(state_watch_s=1.0)).api_requests - simulate(
+        small(state_watch_s=0.0)
+    ).api_requests == items * int(item_s // 1.0)

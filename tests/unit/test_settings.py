@@ -102,6 +102,9 @@ def test_timeouts_are_settings_with_their_bounds(monkeypatch: pytest.MonkeyPatch
         HsxSettings(model="m", dataset="d", store="s", timeouts={"server_recheck_s": 0})
     with pytest.raises(ValidationError, match=r"stop_wait_s"):
         HsxSettings(model="m", dataset="d", store="s", timeouts={"stop_wait_s": 601})
+    assert settings.timeouts.state_watch_s == 2.0
+    with pytest.raises(ValidationError, match=r"timeouts\.state_watch_s[\s\S]*greater than or"):
+        HsxSettings(model="m", dataset="d", store="s", timeouts={"state_watch_s": 0.1})
     identity = {"model_config_hash": "x"}
     first = get_server_pool(["http://127.0.0.1:9"], identity, 8, 1 << 20, 1.0)
     same = get_server_pool(

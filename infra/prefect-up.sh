@@ -37,6 +37,11 @@ else
   export PREFECT_API_DATABASE_TIMEOUT=${PREFECT_API_DATABASE_TIMEOUT:-60}
 fi
 export PREFECT_API_DATABASE_CONNECTION_URL
+# The deployments' concurrency leases (concurrency_limit: one engine per node) on disk, not in
+# the server's memory: after a restart a running flow renews its lease (with the default
+# in-memory storage the lease is gone, the renewal fails and Prefect crashes the run to keep the
+# limit). Several servers behind one database need a shared one instead (prefect-redis).
+export PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=${PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE:-prefect.server.concurrency.lease_storage.filesystem}
 if curl -sf "http://$host:$port/api/health" >/dev/null 2>&1; then
   echo "prefect-up: a server already answers on $host:$port" >&2; exit 1
 fi

@@ -34,11 +34,38 @@ class Stack:
         port: int,
         env: dict[str, str],
         workers: list[subprocess.Popen[bytes]] | None = None,
+        up_options: Sequence[str] = (),
     ) -> None:
         self.home, self.port, self.env = home, port, env
         self.workers = workers or []  # infra/start-worker.sh processes, each its own group
+        self.up_options = list(up_options)  # infra/prefect-up.sh's, for a restart
         self.api = f"http://127.0.0.1:{port}/api"
         self.http = httpx.Client(base_url=self.api, timeout=30)
+
+    def answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.api}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def restart_server(self, outage_s: float = 5.0) -> None:
+        """Stop the Prefect server (SIGTERM to its group, as systemd stops it), wait
+        ``outage_s``, and start it again with the same options (same port and database)."""
+        (pidfile,) = self.home.glob("server-*.pid")
+        os.killpg(int(pidfile.read_text()), signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while self.answers() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not self.answers(), "the Prefect server did not stop"
+        time.sleep(outage_s)
+        up = subprocess.run(
+            ["bash", str(REPO_ROOT / "infra" / "prefect-up.sh"), *self.up_options],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=600,
+        )
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
 
     def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One REST call, retried on 503 as Prefect's own client (and so the worker) does: a
@@ -164,7 +191,7 @@ def running_stack(database: str, workers: Sequence[dict[str, str]] = ({},)) -> I
                         start_new_session=True,
                     )
                 )
-        yield Stack(home, port, env, started)
+        yield Stack(home, port, env, started, options)
         # infra/start-worker.sh restarts a worker that exits, as systemd would; a restart during
         # a test is a worker crash that the test's own checks would not see.
         restarts = [line for log in logs for line in worker_restarts(log, context=30)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -348,6 +349,67 @@ def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
     shown = json.loads(hsx("runs", "show", run_id, "--json", env=stack.env).stdout)
     assert [a["status"] for a in shown["attempts"]] == ["cancelled", "completed"]
     assert shown["attempts"][1]["chunks_committed_now"] == 100 - len(committed)
+
+
+def _flow_run_process(run_id: str) -> int:
+    """The pid of the process the worker started for this flow run: the topmost process whose
+    environment or command line names the run (its engine's processes inherit it)."""
+    named: dict[int, int] = {}  # pid -> parent pid
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            text = (entry / "environ").read_bytes() + (entry / "cmdline").read_bytes()
+            if run_id.encode() in text:
+                stat = (entry / "stat").read_text()
+                named[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    top = [pid for pid, parent in named.items() if parent not in named]
+    assert len(top) == 1, f"expected one process for flow run {run_id}, found {named}"
+    return top[0]
+
+
+def test_a_server_restart_keeps_a_running_extractions_concurrency_lease(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The `extract` deployment's concurrency_limit (one engine per node) holds a lease that the
+    run renews every 225 s. infra/prefect-up.sh keeps leases on disk: after a server restart
+    mid-run the lease renews (with Prefect's in-memory default it is gone: 410 Gone, measured,
+    and Prefect crashes the run), and the run completes. The run is held
+    (SIGSTOP) across the restart, which outlasts its work; the renewal is the run's own call,
+    made here at once rather than 225 s later."""
+    store = str(tmp_path / "leased.zarr")
+    settings = {  # ~60 chunks one at a time
+        "store": store,
+        "run": {"preflight": False},
+        "layout": {"work_chunk_tokens": 512},
+        "pipeline": {"chunks_in_flight": 1},
+    }
+    run_id = stack.run("hsx-extract", "extract", {"settings": settings})
+    deadline = time.monotonic() + 300
+    commits = Path(store) / "commits"
+    while not (commits.is_dir() and any(commits.glob("chunk-*.json"))):
+        state = stack.flow_run(run_id)["state_type"]
+        assert time.monotonic() < deadline and state in {"SCHEDULED", "PENDING", "RUNNING"}, state
+        time.sleep(0.2)
+    lease = stack.flow_run(run_id)["state"]["state_details"]["deployment_concurrency_lease_id"]
+    assert lease, "expected the extract deployment's run to hold a concurrency lease"
+    assert (stack.home / "concurrency_leases" / f"{lease}.json").is_file()
+    held = _flow_run_process(run_id)
+    os.kill(held, signal.SIGSTOP)
+    try:
+        stack.restart_server(outage_s=2.0)
+        assert stack.flow_run(run_id)["state_type"] == "RUNNING"
+        renewed = stack.http.post(
+            f"/v2/concurrency_limits/leases/{lease}/renew", json={"lease_duration": 300}
+        )
+        assert renewed.status_code == 204, (renewed.status_code, renewed.text)
+    finally:
+        os.kill(held, signal.SIGCONT)
+    final = stack.wait(run_id, timeout=600)
+    assert final["state_type"] == "COMPLETED", final["state"]
+    assert not (stack.home / "concurrency_leases" / f"{lease}.json").exists()  # released
 
 
 def test_hsx_runs_pages_through_every_run(stack: Stack) -> None:

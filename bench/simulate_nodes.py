@@ -215,6 +215,7 @@ class SimResult:
     api_per_chunk: float
     api_mean_per_s: float
     api_peak_per_s: int
+    api_by_second: list[int]  # [seconds of the run]: requests in each
     s3_puts: int
     failovers: list[Failover]
     failover_crashed_s: float | None  # worst case over failovers
@@ -281,6 +282,13 @@ class Simulation:
 
     def call_api(self, count: int) -> None:
         self.api[int(self.now)] += count
+
+    def call_api_spread(self, count: int, start_s: float) -> None:
+        """``count`` requests evenly over [start_s, now]: a child's process makes its start's
+        calls as it comes up (states, its deployment, logs), not in one instant."""
+        span = self.now - start_s
+        for i in range(count):
+            self.api[int(start_s + span * (i + 0.5) / count)] += 1
 
     def s3_put(self, count: int) -> float:
         # One FIFO server at the cluster-wide PUT rate: a batch waits for those before it.
@@ -352,7 +360,7 @@ class Simulation:
 
     def child_begin(self, run: Run) -> None:
         run.started_s = self.now
-        self.call_api(self.p.api_calls_per_run // 2)
+        self.call_api_spread(self.p.api_calls_per_run // 2, self.now - self.p.child_start_s)
         if run.failover is not None and run.failover.resubmit_started_s is None:
             run.failover.resubmit_started_s = self.now
         self.heartbeat(run, run.gen)
@@ -543,6 +551,7 @@ class Simulation:
             api_per_chunk=api_total / max(self.n_chunks, 1),
             api_mean_per_s=api_total / end if end else 0.0,
             api_peak_per_s=max(self.api.values(), default=0),
+            api_by_second=[self.api.get(t, 0) for t in range(math.ceil(end) + 1)],
             s3_puts=self.s3_puts,
             failovers=self.failovers,
             failover_crashed_s=worst(d[0] for d in crashed),
@@ -596,6 +605,59 @@ def compare(
     return off
 
 
+# -- one Prefect server's measured capacity -------------------------------------------------
+@dataclass
+class ServerLoad:
+    """The simulated requests against what one server was measured to serve per second."""
+
+    capacity_per_s: float
+    mean_share: float
+    peak_share: float
+    seconds_over: int  # seconds whose requests exceed the capacity
+    worst_wait_s: float  # the longest a request waits behind a backlog (a FIFO server)
+
+
+def server_load(by_second: list[int], capacity_per_s: float) -> ServerLoad:
+    """A backlog that grows by each second's requests past ``capacity_per_s`` and drains at it."""
+    if capacity_per_s <= 0:
+        raise ValueError(f"expected a capacity above 0 requests/s, found {capacity_per_s}")
+    backlog = worst = 0.0
+    for arrived in by_second:
+        backlog = max(0.0, backlog + arrived - capacity_per_s)
+        worst = max(worst, backlog)
+    seconds = max(len(by_second), 1)
+    return ServerLoad(
+        capacity_per_s=capacity_per_s,
+        mean_share=sum(by_second) / seconds / capacity_per_s,
+        peak_share=max(by_second, default=0) / capacity_per_s,
+        seconds_over=sum(1 for n in by_second if n > capacity_per_s),
+        worst_wait_s=worst / capacity_per_s,
+    )
+
+
+def print_server_load(path: Path, result: SimResult) -> None:
+    measured = json.loads(path.read_text())
+    try:
+        capacity = float(measured["capacity_per_s"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SystemExit(
+            f"{path}: expected bench/bench_prefect_server.py's JSON with capacity_per_s, "
+            f"found keys {sorted(measured) if isinstance(measured, dict) else type(measured)}"
+        ) from exc
+    load = server_load(result.api_by_second, capacity)
+    print(
+        f"ONE PREFECT SERVER ({path.name}: {capacity:.0f} requests/s measured, "
+        f"{measured.get('database', '?')}, {measured.get('cores', '?')} cores):"
+    )
+    print_table(
+        [
+            ("mean / peak of its capacity", f"{load.mean_share:.1%} / {load.peak_share:.1%}"),
+            ("seconds over capacity", f"{load.seconds_over} of {len(result.api_by_second)}"),
+            ("longest wait behind the backlog", f"{load.worst_wait_s:.1f} s"),
+        ]
+    )
+
+
 # -- command line ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -605,6 +667,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare", type=Path, help="JSON of measured figures (or {'results': ...})"
     )
     parser.add_argument("--tolerance", type=float, default=0.15)
+    parser.add_argument(
+        "--server-capacity",
+        type=Path,
+        help="bench/bench_prefect_server.py's JSON: the API load against one server's capacity",
+    )
     parser.add_argument("--dump-inputs", type=Path, help="write the final inputs as JSON")
     parser.add_argument("--kill", action="append", metavar="NODE@SECONDS", help="replaces kills")
     parser.add_argument("--stop", action="append", metavar="NODE@SECONDS@STOP_S")
@@ -726,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = simulate(inputs)
     print_table(result_rows(result))
+    if args.server_capacity:
+        print_server_load(args.server_capacity, result)
     if args.compare:
         return 1 if print_comparison(args.compare, result, args.tolerance) else 0
     return 0

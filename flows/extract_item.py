@@ -53,7 +53,7 @@ def extract_item_flow(
         resolved.store,
         ", ".join(resolved.engine.url) or "an engine of this process",
     )
-    watch = _StateWatch(resolved.timeouts.state_watch_s)
+    watch = RunStateWatch(resolved.timeouts.state_watch_s)
     with ExtractionRun.open(resolved) as run:
         store = run.store()
         wanted = set(chunks)
@@ -125,11 +125,11 @@ def _item_end(item: str, tally: ChunkTally, servers: list[str]) -> dict[str, Any
     return result
 
 
-class _StateWatch:
-    """Reads this flow run's state every ``period_s`` (timeouts.state_watch_s); once it is no longer Running (the
-    parent or an operator cancelled it, or the zombie automation declared it Crashed) the run
-    stops, and its chunks abandon before their commit rather than commit work the parent is
-    already giving to another node."""
+class RunStateWatch:
+    """Reads this flow run's state every ``period_s`` (timeouts.state_watch_s). Once it is no
+    longer Running (the parent or an operator cancelled it, or the zombie automation declared it
+    Crashed) the run stops, and its chunks abandon before their commit rather than commit work
+    the parent is already giving to another node."""
 
     def __init__(self, period_s: float) -> None:
         self._period_s = period_s

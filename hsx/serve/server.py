@@ -382,7 +382,7 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
         try:
             seconds = wait_until_healthy(plan.url, server.ready_timeout_s, gone)
         except EngineError as exc:
-            say(f"hsx serve: {exc}")
+            say(f"hsx serve: {exc} (server.ready_timeout_s={server.ready_timeout_s:g})")
             stop_server_process(child)
             code = _exit_code(child, say)
             return code if stopping else code or 1  # a failed start is a failure

@@ -147,3 +147,25 @@ def test_a_start_past_the_ready_timeout_is_stopped_and_named(
         time.sleep(0.5)
     assert not _server_pids(log_dir), "expected the stopped server gone"
     assert _refused(settings.server.port)
+
+
+def test_hsx_serve_names_its_ready_timeout_when_the_model_does_not_load_in_time(
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+) -> None:
+    """`hsx serve` itself (the process the run's own server is), with nobody stopping it first:
+    it stops its vLLM server, exits non-zero and names the setting to raise."""
+    settings = _serve_settings(tiny_llama, sample_dataset, tmp_path, ready_timeout_s=3.0)
+    settings_path = tmp_path / "serve.json"
+    settings_path.write_text(settings.model_dump_json())
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.own_server", str(settings_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "within 3 s" in output and "(server.ready_timeout_s=3)" in output, output[-2000:]
+    assert not _server_pids(tmp_path / "hsx-servers"), "expected the stopped server gone"
+    assert _refused(settings.server.port)

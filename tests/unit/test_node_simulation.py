@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.simulate_nodes import Inputs, SimResult, compare, main, simulate, three_node_test
+from bench.simulate_nodes import (
+    Inputs,
+    SimResult,
+    compare,
+    main,
+    server_load,
+    simulate,
+    three_node_test,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,6 +130,36 @@ def test_api_peak_is_at_least_the_mean_and_the_total_covers_chunks_and_submissio
     assert result.api_peak_per_s >= result.api_mean_per_s > 0
     assert result.api_requests >= chunks * p.api_calls_per_chunk + items * p.api_calls_per_submit
     assert result.api_per_chunk == pytest.approx(result.api_requests / chunks)
+
+
+def test_the_seconds_sum_to_the_requests_and_a_backlog_drains_at_the_servers_capacity() -> None:
+    result = simulate(three_node_test())
+    assert sum(result.api_by_second) == result.api_requests
+    assert max(result.api_by_second) == result.api_peak_per_s
+    # 30 requests in second 0 against 10/s: 20 wait, drained by second 2; then 5/s is within.
+    load = server_load([30, 0, 0, 5, 5], 10.0)
+    assert load.seconds_over == 1 and load.worst_wait_s == pytest.approx(2.0)
+    assert load.mean_share == pytest.approx(40 / 5 / 10) and load.peak_share == pytest.approx(3.0)
+    # A backlog that cannot drain keeps growing: 15/s against 10/s for 4 s leaves 20 waiting.
+    assert server_load([15] * 4, 10.0).worst_wait_s == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="expected a capacity above 0 requests/s, found 0"):
+        server_load([1], 0.0)
+
+
+def test_the_api_load_is_printed_against_a_measured_server_capacity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    measured = tmp_path / "capacity.json"
+    measured.write_text(json.dumps({"capacity_per_s": 20.0, "database": "postgres", "cores": 2}))
+    assert main(["--preset", "three-node-test", "--server-capacity", str(measured)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "ONE PREFECT SERVER (capacity.json: 20 requests/s measured, postgres, 2 cores)" in printed
+    )
+    assert "seconds over capacity" in printed and "longest wait behind the backlog" in printed
+    measured.write_text(json.dumps({"requests": 3}))
+    with pytest.raises(SystemExit, match=r"expected bench/bench_prefect_server\.py's JSON"):
+        main(["--preset", "three-node-test", "--server-capacity", str(measured)])
 
 
 def test_compare_flags_20_percent_off_and_passes_10_percent_off() -> None:

@@ -1,11 +1,12 @@
 """Store creation on an object store: requests and time to write a plan's token rows.
 
-A store's creation writes ``input_ids`` and ``loss_mask`` from the plan, one object per C rows
-each (issue 29: 200M tokens at C=256 are about 1.56M small PUTs from the one process that plans).
+A store's creation writes ``input_ids`` and ``loss_mask`` from the plan (issue 29: in objects of
+C rows, 200M tokens at C=256 were about 1.56M small PUTs from the one process that plans).
 This bench creates the same store on moto's S3 server (127.0.0.1), through a proxy that counts
-the requests, with the objects written one at a time (the baseline: hsx before) and
-``CREATE_WRITERS`` at once (hsx now), alternating for ``--rounds``; it prints the PUT count, the
-creation's seconds, their ratio, and both scaled linearly to ``--target-tokens``.
+the requests, three ways alternating for ``--rounds``: C-row objects written one at a time (hsx
+before issue 29), C-row objects ``CREATE_WRITERS`` at once, and the token arrays in their own
+larger objects (``layout.token_rows_per_object``, hsx now); it prints the PUT counts, the
+creation's seconds against the first, and both scaled linearly to ``--target-tokens``.
 
     .venv/bin/python bench/bench_store_creation.py [--tokens 2000000] [--rows-per-chunk 256]
         [--rounds 3] [--target-tokens 200000000]
@@ -41,7 +42,9 @@ def write_dataset(path: Path, tokens: int, row_tokens: int = 2000) -> Path:
     return path
 
 
-def create_once(model: Path, dataset: Path, store: str, rows_per_chunk: int) -> float:
+def create_once(
+    model: Path, dataset: Path, store: str, rows_per_chunk: int, token_rows: int | None
+) -> float:
     from hsx.extraction.steps import plan_and_create_store
     from settings import HsxSettings
 
@@ -49,11 +52,19 @@ def create_once(model: Path, dataset: Path, store: str, rows_per_chunk: int) -> 
         model=model,
         dataset=str(dataset),
         store=store,
-        layout={"rows_per_chunk": rows_per_chunk},
+        layout={"rows_per_chunk": rows_per_chunk, "token_rows_per_object": token_rows},
     )
     started = time.perf_counter()
     plan_and_create_store(settings)
     return time.perf_counter() - started
+
+
+# (name, writers, token objects of C rows?): hsx before issue 29, then each of its two steps.
+SIDES = [
+    ("C-row objects, 1 writer", 1, True),
+    ("C-row objects, 16 writers", 16, True),
+    ("large objects, 16 writers", 16, False),
+]
 
 
 def main() -> None:
@@ -79,43 +90,47 @@ def main() -> None:
             fsspec.config.conf["s3"]["endpoint_url"] = proxy.url
             model = ensure_tiny_models(Path(scratch) / "models")["tiny-llama"]
             dataset = write_dataset(Path(scratch) / "rows.jsonl", args.tokens)
-            figures: dict[int, list[tuple[int, float]]] = {1: [], writers: []}
+            figures: dict[str, list[tuple[int, float]]] = {name: [] for name, _, _ in SIDES}
             for round_index in range(args.rounds):
-                for threads in (1, writers):
-                    # The baseline: this bench's own process, one side at a time.
+                for side, (name, threads, c_rows) in enumerate(SIDES):
+                    # The baselines: this bench's own process, one side at a time.
                     zarr_store.CREATE_WRITERS = threads
                     before = proxy.requests["PUT"]
                     seconds = create_once(
                         model,
                         dataset,
-                        f"s3://bench/create-{round_index}-{threads}",
+                        f"s3://bench/create-{round_index}-{side}",
                         args.rows_per_chunk,
+                        args.rows_per_chunk if c_rows else None,
                     )
                     puts = proxy.requests["PUT"] - before
-                    figures[threads].append((puts, seconds))
+                    figures[name].append((puts, seconds))
                     print(
-                        f"round {round_index}: {threads:2d} writer(s): {puts} PUTs in "
-                        f"{seconds:.2f} s ({puts / seconds:.0f} PUT/s)",
+                        f"round {round_index}: {name}: {puts} PUTs in {seconds:.2f} s "
+                        f"({puts / seconds:.0f} PUT/s)",
                         flush=True,
                     )
-            report(figures, writers, args)
+            report(figures, args)
     finally:
         zarr_store.CREATE_WRITERS = writers
         server.terminate()
 
 
-def report(figures: dict[int, list[tuple[int, float]]], writers: int, args: Any) -> None:
+def report(figures: dict[str, list[tuple[int, float]]], args: Any) -> None:
     scale = args.target_tokens / args.tokens
-    serial = statistics.median(s for _, s in figures[1])
-    parallel = statistics.median(s for _, s in figures[writers])
-    puts = figures[writers][0][0]
+    base_name = SIDES[0][0]
+    base = statistics.median(s for _, s in figures[base_name])
     print(
-        f"STORE CREATION {args.tokens:,} tokens, C={args.rows_per_chunk}, moto S3 on 127.0.0.1: "
-        f"{puts} PUTs; 1 writer {serial:.2f} s, {writers} writers {parallel:.2f} s "
-        f"(speed-up {serial / parallel:.2f}x, medians of {args.rounds}); scaled to "
-        f"{args.target_tokens:,} tokens: {puts * scale:,.0f} PUTs, {serial * scale / 60:.1f} min "
-        f"-> {parallel * scale / 60:.1f} min"
+        f"STORE CREATION {args.tokens:,} tokens, C={args.rows_per_chunk}, moto S3 on 127.0.0.1 "
+        f"(medians of {args.rounds}; planning included), scaled to {args.target_tokens:,} tokens:"
     )
+    for name, _, _ in SIDES:
+        puts = figures[name][0][0]
+        seconds = statistics.median(s for _, s in figures[name])
+        print(
+            f"  {name:<28} {puts:>7,} PUTs {seconds:7.2f} s  time {seconds / base:.3f} of "
+            f"{base_name!r}; {puts * scale:>12,.0f} PUTs, {seconds * scale / 60:6.1f} min"
+        )
 
 
 if __name__ == "__main__":

@@ -144,9 +144,7 @@ def plan_and_create_store(settings: HsxSettings) -> PlanSummary:
             # Token rows of chunks not committed are written again from the plan: a repair
             # drops the commit of a chunk whose input_ids or loss_mask object was corrupt, and
             # re-extraction reads (and checksums) those rows.
-            for chunk in store.pending_chunks():
-                ids, mask = plan.chunk_rows(chunk)
-                store.write_rows(chunk.row_start, {"input_ids": ids, "loss_mask": mask})
+            store.write_token_rows(plan, store.pending_chunks())
             if store.sample_index_problems():  # a flipped byte verify found: from the plan
                 store.write_sample_index(plan)
     finally:

@@ -24,7 +24,13 @@ from hsx.errors import ConfigError
 from hsx.model.config import text_config
 from hsx.model.layers import convert_layer_ids, default_layer_ids
 from hsx.model.limits import resolve_lengths
-from hsx.plan.chunks import Plan, auto_rows_per_chunk, auto_work_chunk_tokens, cut_chunks
+from hsx.plan.chunks import (
+    Plan,
+    auto_rows_per_chunk,
+    auto_work_chunk_tokens,
+    cut_chunks,
+    token_object_rows,
+)
 from hsx.plan.token_spool import TokenSpool
 from settings import HsxSettings
 
@@ -226,6 +232,7 @@ def _build_plan(
         rows_per_chunk,
         chunk_tokens,
     )
+    token_object_rows(total_rows, rows_per_chunk, layout.token_rows_per_object)  # refused now
     inputs = {
         "dataset_fingerprint": dataset_fingerprint,
         "tokenizer_fingerprint": fingerprint_tokenizer(tokenizer),
@@ -255,6 +262,7 @@ def _build_plan(
         rows_per_chunk=rows_per_chunk,
         tokens=spool,
         overlength=overlength.record(),
+        token_rows_per_object=layout.token_rows_per_object,
     )
 
 

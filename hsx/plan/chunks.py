@@ -52,6 +52,9 @@ class Plan:
     # Samples longer than data.max_length: {"policy", "truncated": [[sample, tokens], ...],
     # "skipped": [[row, tokens], ...]} (sample: index in the store; row: where it was read).
     overlength: dict[str, Any] | None = None
+    # Rows per storage object of input_ids and loss_mask (layout.token_rows_per_object; None:
+    # token_object_rows' default). Not in ``inputs``: the stored values do not depend on it.
+    token_rows_per_object: int | None = None
 
     def close(self) -> None:
         if self.tokens is not None:
@@ -111,6 +114,25 @@ def auto_work_chunk_tokens(
     task runs under bursts of thousands), never below ``min_tokens``; a multiple of C."""
     wanted = max(math.ceil(total_tokens / max(target_chunks, 1)), min_tokens, rows_per_chunk)
     return math.ceil(wanted / rows_per_chunk) * rows_per_chunk
+
+
+# Rows of one input_ids/loss_mask object by default: 256 KiB of int32 ids. Those arrays are 5
+# bytes a row against the states' kilobytes; at C rows an object is a few KiB and one request
+# each (1.56M PUTs at creation for 200M tokens at C=256, issue 29).
+TOKEN_OBJECT_ROWS = 65_536
+
+
+def token_object_rows(total_rows: int, rows_per_chunk: int, wanted: int | None) -> int:
+    """Rows per storage object of the token arrays: ``wanted`` (a multiple of C) or about
+    TOKEN_OBJECT_ROWS, and no more than the array's rows rounded up to C."""
+    c = rows_per_chunk
+    if wanted is not None and (wanted < c or wanted % c):
+        raise ConfigError(
+            f"layout.token_rows_per_object: expected a multiple of rows_per_chunk ({c}), "
+            f"found {wanted}"
+        )
+    rows = wanted or math.ceil(TOKEN_OBJECT_ROWS / c) * c
+    return min(rows, max(math.ceil(total_rows / c), 1) * c)
 
 
 def auto_rows_per_chunk(row_bytes: int, target_bytes: int) -> int:

@@ -111,9 +111,10 @@ def layout_differences(documents: dict[str, dict[str, Any]], meta: dict[str, Any
     rows, samples = int(meta["total_rows"]), int(meta["num_samples"])
     step, layers = int(meta["rows_per_chunk"]), len(meta["layer_ids"])
     hidden = int(meta["hidden_size"])
+    token_step = int(meta.get("token_rows_per_object", step))  # C in stores before it
     expected = {
-        "input_ids/zarr.json": ([rows], [step]),
-        "loss_mask/zarr.json": ([rows], [step]),
+        "input_ids/zarr.json": ([rows], [token_step]),
+        "loss_mask/zarr.json": ([rows], [token_step]),
         "hidden_states/zarr.json": ([rows, layers, hidden], [step, layers, hidden]),
         "sample_starts/zarr.json": ([samples], None),
         "sample_lengths/zarr.json": ([samples], None),

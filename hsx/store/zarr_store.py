@@ -34,7 +34,7 @@ import zarr
 from fsspec.implementations.local import LocalFileSystem
 
 from hsx.errors import CorruptRecordError, StoreError
-from hsx.plan.chunks import Plan, WorkChunk
+from hsx.plan.chunks import Plan, WorkChunk, token_object_rows
 from hsx.store.checksums import digest
 from hsx.store.fp8_states import ENCODING as FP8_ENCODING
 from hsx.store.fp8_states import SCALES_ARRAY
@@ -52,6 +52,8 @@ COLLISIONS_DIR = "collisions"
 _ATTEMPT_FIELDS = ("run_id", "attempt", "host", "pid", "started_at", "finished_at", "extra")
 RUNS_DIR = "runs"
 ROW_ARRAYS = ("input_ids", "loss_mask", "hidden_states", SCALES_ARRAY)  # those a store has
+# Written once, at creation, in objects of token_rows_per_object rows (C in older stores).
+TOKEN_ARRAYS = ("input_ids", "loss_mask")
 
 
 @dataclass
@@ -169,6 +171,12 @@ class ExtractionStore:
     def rows_per_chunk(self) -> int:
         return int(self._meta["rows_per_chunk"])
 
+    def object_rows(self, name: str) -> int:
+        """Rows per storage object of array ``name``: C, or the token arrays' own size."""
+        if name in TOKEN_ARRAYS:
+            return int(self._meta.get("token_rows_per_object", self.rows_per_chunk))
+        return self.rows_per_chunk
+
     # ---- opening ----------------------------------------------------------------------------
     @classmethod
     def open(cls, url: str, mode: str = "r", direct_io: bool = False) -> ExtractionStore:
@@ -213,6 +221,7 @@ class ExtractionStore:
     def _create(cls, url: str, plan: Plan, meta: dict[str, Any]) -> ExtractionStore:
         group = zarr.open_group(url, mode="w")  # type: ignore[arg-type]
         rows, c = plan.total_rows, plan.rows_per_chunk
+        token_rows = token_object_rows(rows, c, plan.token_rows_per_object)
         k, h = int(meta["num_layers_captured"]), int(meta["hidden_size"])
         fp8 = meta.get("state_encoding") == FP8_ENCODING
         stored_dtype = stored_state_dtype(meta)
@@ -227,7 +236,7 @@ class ExtractionStore:
         group.create_array(
             "input_ids",
             shape=(rows,),
-            chunks=(c,),
+            chunks=(token_rows,),
             dtype="int32",
             compressors=None,
             chunk_key_encoding=keys,
@@ -236,7 +245,7 @@ class ExtractionStore:
         group.create_array(
             "loss_mask",
             shape=(rows,),
-            chunks=(c,),
+            chunks=(token_rows,),
             dtype="uint8",
             compressors=None,
             chunk_key_encoding=keys,
@@ -287,6 +296,7 @@ class ExtractionStore:
             "total_rows": plan.total_rows,
             "total_tokens": plan.total_tokens,
             "rows_per_chunk": c,
+            "token_rows_per_object": token_rows,
             "work_chunks": [asdict(chunk) for chunk in plan.chunks],
             # Which samples were cut to data.max_length (with their full length) or left out.
             "overlength": plan.overlength or {},
@@ -302,7 +312,7 @@ class ExtractionStore:
         store.write_sample_index(plan)
         # Token ids and loss masks are known from the plan: written once, here, so work chunks
         # only read them (and checksum them in their commits).
-        store._write_token_rows(plan)
+        store.write_token_rows(plan)
         attrs["layout_complete"] = True  # last: an interrupted creation is recreated
         group.attrs[HSX_ATTR] = attrs
         store._meta = attrs
@@ -310,21 +320,55 @@ class ExtractionStore:
         write_layout_copy(store.fs, store.root, url)
         return store
 
-    def _write_token_rows(self, plan: Plan) -> None:
-        """Every work chunk's ids and mask, CREATE_WRITERS objects at once: each object is a
-        request on an object store, and one at a time the creation paid its latency 2 x T / C
-        times (issue 29: 1.56M PUTs for 200M tokens at C=256). Rows are read from the plan's
-        spool on this thread (it is one file), at most 2 x CREATE_WRITERS chunks ahead."""
+    def write_token_rows(self, plan: Plan, chunks: Sequence[WorkChunk] | None = None) -> None:
+        """The token arrays' objects from the plan: all of them (creation), or those holding
+        the rows of ``chunks`` (a resumed run rewrites its pending chunks' rows: a repair
+        dropped the commit of a chunk whose token object was corrupt). Objects are written
+        whole, their other chunks' rows from the plan too, never from the object replaced.
+        An object holds token_rows_per_object rows (many work chunks): each is a request on an
+        object store (issue 29: C-row objects made 1.56M PUTs for 200M tokens at C=256).
+        CREATE_WRITERS objects are written at once; rows are read from the plan's spool on
+        this thread (it is one file), a few objects ahead."""
+        size = self.object_rows("input_ids")
+        wanted = None
+        if chunks is not None:
+            wanted = {o for c in chunks for o in range(c.row_start // size, -(-c.row_end // size))}
         pending: deque[Future[None]] = deque()
         with ThreadPoolExecutor(CREATE_WRITERS, thread_name_prefix="hsx-create") as pool:
-            for chunk in plan.chunks:
-                ids, mask = plan.chunk_rows(chunk)
-                rows = {"input_ids": ids, "loss_mask": mask}
-                pending.append(pool.submit(self.write_rows, chunk.row_start, rows))
+            for row_start, block in self._token_blocks(plan):
+                if wanted is not None and row_start // size not in wanted:
+                    continue
+                pending.append(pool.submit(self.write_rows, row_start, block))
                 if len(pending) >= 2 * CREATE_WRITERS:
                     pending.popleft().result()  # the first failure raises here
             for future in pending:
                 future.result()
+
+    def _token_blocks(self, plan: Plan) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """(first row, whole objects' rows) of the token arrays, from the work chunks in row
+        order; the last object zero-padded to its full size (Zarr stores edge chunks whole)."""
+        size = self.object_rows("input_ids")
+        ids, mask = np.zeros(size, np.int32), np.zeros(size, np.uint8)  # [size] each
+        filled = block_start = 0
+        for chunk in plan.chunks:
+            if chunk.row_start != block_start + filled:
+                raise StoreError(
+                    f"plan: expected work chunk {chunk.index} to start at row "
+                    f"{block_start + filled}, found {chunk.row_start}"
+                )
+            chunk_ids, chunk_mask = plan.chunk_rows(chunk)
+            taken = 0
+            while taken < chunk_ids.size:
+                n = min(size - filled, chunk_ids.size - taken)
+                ids[filled : filled + n] = chunk_ids[taken : taken + n]
+                mask[filled : filled + n] = chunk_mask[taken : taken + n]
+                filled, taken = filled + n, taken + n
+                if filled == size:
+                    yield block_start, {"input_ids": ids, "loss_mask": mask}
+                    ids, mask = np.zeros(size, np.int32), np.zeros(size, np.uint8)
+                    filled, block_start = 0, block_start + size
+        if filled:
+            yield block_start, {"input_ids": ids, "loss_mask": mask}
 
     def write_sample_index(self, plan: Plan) -> None:
         """Write sample_starts and sample_lengths from the plan (creation, and repair)."""
@@ -408,32 +452,37 @@ class ExtractionStore:
 
     # ---- rows ----------------------------------------------------------------------------
     def write_rows(self, row_start: int, arrays: dict[str, np.ndarray]) -> None:
-        """Write whole Zarr chunks starting at ``row_start`` (a multiple of C)."""
-        c = self.rows_per_chunk
+        """Write whole storage objects of each array from ``row_start`` (a multiple of the
+        array's object rows: C, or the token arrays' own)."""
         for name, rows in arrays.items():
-            count = rows.shape[0]
-            if row_start % c or count % c:
+            size, end = self.object_rows(name), row_start + rows.shape[0]
+            if row_start % size or end % size:
                 raise StoreError(
-                    f"{name}: expected a write aligned to Zarr chunks of {c} rows, found rows "
-                    f"[{row_start}, {row_start + count})"
+                    f"{name}: expected a write aligned to Zarr chunks of {size} rows, found rows "
+                    f"[{row_start}, {end})"
                 )
-            for offset in range(0, count, c):
-                self.write_chunk(name, row_start + offset, rows[offset : offset + c])
+            for first in range(row_start, end, size):
+                self.write_chunk(name, first, rows[first - row_start : first - row_start + size])
 
     def write_chunk(self, name: str, row_start: int, rows: np.ndarray) -> None:
-        """Write one whole Zarr chunk (C rows). Uncompressed arrays are written as the chunk's
-        storage object directly (its bytes are the rows in C order, little endian: what zarr
-        itself would write), atomically; zarr's own write path measured 5-8x slower here."""
+        """Write one whole Zarr chunk (its object's rows). Uncompressed arrays are written as
+        the chunk's storage object directly (its bytes are the rows in C order, little endian:
+        what zarr itself would write), atomically; zarr's own write path measured 5-8x slower
+        here."""
         array = self.array(name)
-        if row_start % self.rows_per_chunk or rows.shape[0] != self.rows_per_chunk:
+        size = self.object_rows(name)
+        if row_start % size or rows.shape[0] != size:
             raise StoreError(
-                f"{name}: expected one whole Zarr chunk of {self.rows_per_chunk} rows at a "
-                f"multiple of {self.rows_per_chunk}, found {rows.shape[0]} rows at {row_start}"
+                f"{name}: expected one whole Zarr chunk of {size} rows at a multiple of {size}, "
+                f"found {rows.shape[0]} rows at {row_start}"
             )
         if not self._raw_chunks.get(name, False):
-            array[row_start : row_start + rows.shape[0]] = rows
+            # The last chunk may reach past the array's end: zarr takes only the rows inside.
+            array[row_start : min(row_start + size, array.shape[0])] = rows[
+                : array.shape[0] - row_start
+            ]
             return
-        coords = (row_start // self.rows_per_chunk,) + (0,) * (rows.ndim - 1)
+        coords = (row_start // size,) + (0,) * (rows.ndim - 1)
         key = array.metadata.encode_chunk_key(coords)
         data = np.ascontiguousarray(rows, dtype=array.dtype)
         payload = memoryview(cast(Any, data)).cast("B")
@@ -448,8 +497,10 @@ class ExtractionStore:
         storage objects directly (into ``reuse`` where it has the rows' shape and dtype: fresh
         memory costs a page fault per 4 KiB, which halved verify's speed from memory), and a
         missing object raises: zarr would return fill values."""
-        c = self.rows_per_chunk
-        if self._raw_chunks.get(name, False) and row_start % c == 0 and row_end % c == 0:
+        size = self.object_rows(name)
+        # Token arrays' objects span many work chunks: their rows are read out of whole objects.
+        aligned = row_start % size == 0 and row_end % size == 0
+        if self._raw_chunks.get(name, False) and (aligned or name in TOKEN_ARRAYS):
             return self._read_objects(name, row_start, row_end, reuse)
         return np.asarray(self.array(name)[row_start:row_end])
 
@@ -461,13 +512,24 @@ class ExtractionStore:
         (one object holds many short samples; a long one spans several), and reading per
         sample reads them again. The objects of all arrays are read at once, so an object
         store's latency is paid about once per batch, not once per array."""
-        c = self.rows_per_chunk
-        objs = sorted({obj for start, end in ranges for obj in range(start // c, -(-end // c))})
         raw = [name for name in names if self._raw_chunks.get(name, False)]
-        wanted = [(name, obj) for name in raw for obj in objs]
+        wanted = [
+            (name, obj)
+            for name in raw
+            for obj in sorted(
+                {
+                    obj
+                    for start, end in ranges
+                    for obj in range(
+                        start // self.object_rows(name), -(-end // self.object_rows(name))
+                    )
+                }
+            )
+        ]
 
         def read(key: tuple[str, int]) -> np.ndarray:
-            return self._read_objects(key[0], key[1] * c, (key[1] + 1) * c, None)
+            size = self.object_rows(key[0])
+            return self._read_objects(key[0], key[1] * size, (key[1] + 1) * size, None)
 
         if len(wanted) > 1:
             with ThreadPoolExecutor(min(len(wanted), _BATCH_READERS)) as pool:
@@ -480,6 +542,7 @@ class ExtractionStore:
                 out[name] = [np.asarray(self.array(name)[start:end]) for start, end in ranges]
                 continue
             out[name] = []
+            c = self.object_rows(name)
             for start, end in ranges:
                 parts = [
                     objects[name, obj][
@@ -493,29 +556,40 @@ class ExtractionStore:
     def _read_objects(
         self, name: str, row_start: int, row_end: int, reuse: np.ndarray | None
     ) -> np.ndarray:
+        """Rows [row_start, row_end) from their storage objects; an object the range covers
+        in part is read whole and its rows copied out."""
         array = self.array(name)
-        c = self.rows_per_chunk
+        c = self.object_rows(name)
         dtype = np.dtype(array.dtype).newbyteorder("<")
         shape = (row_end - row_start, *array.shape[1:])
         if reuse is not None and reuse.shape == shape and reuse.dtype == dtype:
             out = reuse
         else:
             out = np.empty(shape, dtype=dtype)
-        for row in range(row_start, row_end, c):
-            coords = (row // c,) + (0,) * (out.ndim - 1)
-            path = f"{self.root}/{name}/{array.metadata.encode_chunk_key(coords)}"
-            target = memoryview(cast(Any, out[row - row_start : row - row_start + c])).cast("B")
+        for obj in range(row_start // c, -(-row_end // c)):
+            first, last = obj * c, (obj + 1) * c
+            whole = first >= row_start and last <= row_end
+            rows = (
+                out[first - row_start : last - row_start]
+                if whole
+                else np.empty((c, *shape[1:]), dtype)
+            )
+            path = f"{self.root}/{name}/{array.metadata.encode_chunk_key((obj,) + (0,) * (out.ndim - 1))}"
+            target = memoryview(cast(Any, rows)).cast("B")
             try:
                 found = self._read_object_into(path, target)
             except FileNotFoundError:
                 raise StoreError(
-                    f"{name} rows [{row}, {row + c}): expected storage object {path}, found none"
+                    f"{name} rows [{first}, {last}): expected storage object {path}, found none"
                 ) from None
             if found != target.nbytes:
                 raise StoreError(
-                    f"{name} rows [{row}, {row + c}): expected {target.nbytes} bytes in {path}, "
+                    f"{name} rows [{first}, {last}): expected {target.nbytes} bytes in {path}, "
                     f"found {found}"
                 )
+            if not whole:
+                lo, hi = max(first, row_start), min(last, row_end)
+                out[lo - row_start : hi - row_start] = rows[lo - first : hi - first]
         return out
 
     def _read_object_into(self, path: str, target: memoryview) -> int:

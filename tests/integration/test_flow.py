@@ -136,11 +136,15 @@ def test_flow_end_to_end_then_nothing_twice(
     root = tmp_path / "flow.zarr"
     targets = {"loss_mask": 0, "input_ids": 1, "hidden_states": 2}
     for name, index in list(targets.items())[1:]:
-        first_object = store.work_chunks[index].row_start // step
+        # A row in the middle of the chunk's first C rows, in whichever object holds it (the
+        # token arrays' objects span many chunks).
+        row = store.work_chunks[index].row_start + step // 2
+        size, array = store.object_rows(name), store.array(name)
+        row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:]))
         suffix = ".0.0" if name == "hidden_states" else ""
-        victim = root / name / f"c.{first_object}{suffix}"
+        victim = root / name / f"c.{row // size}{suffix}"
         data = bytearray(victim.read_bytes())
-        data[len(data) // 2] ^= 0x10
+        data[(row % size) * row_bytes + row_bytes // 2] ^= 0x10
         victim.write_bytes(bytes(data))
     old = {index: store.read_commit(index) for index in targets.values()}
     # Chunk 3's commit record cut in half (it no longer parses), and one flipped byte in each

@@ -30,7 +30,13 @@ def sample_tokens(index: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, (np.arange(length) % 2).astype(np.uint8)
 
 
-def make_plan(lengths: list[int], c: int = 16, work: int = 64, tag: str = "a") -> Plan:
+def make_plan(
+    lengths: list[int],
+    c: int = 16,
+    work: int = 64,
+    tag: str = "a",
+    token_rows_per_object: int | None = None,
+) -> Plan:
     arr = np.asarray(lengths, dtype=np.int32)
     chunks, starts, rows = cut_chunks(
         arr, np.arange(len(arr)) * 10, np.arange(len(arr)) + 1, c, work
@@ -39,7 +45,16 @@ def make_plan(lengths: list[int], c: int = 16, work: int = 64, tag: str = "a") -
     spool = TokenSpool()
     for index, length in enumerate(lengths):
         spool.append(*sample_tokens(index, length))
-    return Plan(inputs, arr, starts, chunks, rows, c, tokens=spool)
+    return Plan(
+        inputs,
+        arr,
+        starts,
+        chunks,
+        rows,
+        c,
+        tokens=spool,
+        token_rows_per_object=token_rows_per_object,
+    )
 
 
 def meta(dtype: str = "float32") -> dict[str, object]:
@@ -118,6 +133,64 @@ def test_write_commit_verify_read_roundtrip(host: HostPipeline, store_url: str) 
         64,
         H,
     )
+
+
+@pytest.mark.parametrize("token_rows", [16, 48, None], ids=["C rows", "3C rows", "default"])
+def test_token_objects_span_work_chunks_and_every_read_and_verify_sees_the_planned_rows(
+    host: HostPipeline, tmp_path: Path, token_rows: int | None
+) -> None:
+    """input_ids and loss_mask in objects of C rows (stores before), of 3C rows (an object
+    spans two work chunks; the last one zero-padded to its full size), or the default (here
+    one object): the same rows through read_rows, read_row_ranges, the reader and verify, and
+    a flipped byte is charged to the chunk whose rows it is in."""
+    lengths = [5, 30, 17, 64, 100, 3, 3]
+    url = str(tmp_path / "store")
+    plan = make_plan(lengths, work=48, token_rows_per_object=token_rows)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    size = store.object_rows("input_ids")
+    rows = store.array("input_ids").shape[0]
+    assert size == (token_rows or -(-rows // 16) * 16) and store.object_rows("hidden_states") == 16
+    objects = sorted((tmp_path / "store" / "input_ids").glob("c.*"))
+    assert len(objects) == -(-rows // size)
+    assert all(path.stat().st_size == size * 4 for path in objects)  # the edge one whole
+    for chunk in plan.chunks:
+        extract_chunk(host, store, chunk, StatesEngine(), 40, RunContext("run-1"))
+    store = ExtractionStore.open(url)
+    assert verify_store(store).ok
+    reader = HiddenStatesReader(url)
+    expected = [sample_tokens(i, n) for i, n in enumerate(lengths)]
+    for index, (ids, mask) in enumerate(expected):
+        stored = reader.sample(index)
+        assert np.array_equal(stored.input_ids.numpy(), ids)
+        assert np.array_equal(stored.loss_mask.numpy(), mask.astype(bool))
+    starts, counts = store.sample_rows(0, len(lengths))
+    ranges = [(int(a), int(a + n)) for a, n in zip(starts, counts, strict=True)][::-1]
+    batch = store.read_row_ranges(("input_ids", "loss_mask"), ranges)
+    for got, (ids, _) in zip(batch["input_ids"], expected[::-1], strict=True):
+        assert np.array_equal(got, ids)
+    # A flipped byte in a row of chunk 2: charged to chunk 2's input_ids and nothing else.
+    row = plan.chunks[2].row_start + 1
+    victim = tmp_path / "store" / "input_ids" / f"c.{row // size}"
+    data = bytearray(victim.read_bytes())
+    data[(row % size) * 4] ^= 0x01
+    victim.write_bytes(bytes(data))
+    report = verify_store(ExtractionStore.open(url))
+    assert [(p.chunk_index, p.message.split(" rows")[0]) for p in report.problems] == [
+        (2, "input_ids")
+    ], report.problems
+
+
+def test_token_objects_must_be_whole_multiples_of_c() -> None:
+    from hsx.errors import ConfigError
+    from hsx.plan.chunks import token_object_rows
+
+    with pytest.raises(
+        ConfigError,
+        match=r"token_rows_per_object: expected a multiple of rows_per_chunk \(16\), found 24",
+    ):
+        token_object_rows(1000, 16, 24)
+    assert token_object_rows(1000, 16, None) == 1008  # no larger than the array, in C rows
+    assert token_object_rows(10**6, 256, None) == 65_536
 
 
 def test_bfloat16_is_stored_as_uint16_bit_exact(host: HostPipeline, store_url: str) -> None:
@@ -262,8 +335,29 @@ def test_other_plan_is_refused_with_a_diff(store_url: str) -> None:
 def test_misaligned_write_is_refused(store_url: str) -> None:
     plan = make_plan([40, 40], work=48)
     store = ExtractionStore.open_or_create(store_url, plan, meta())
+    states = np.zeros((16, *store.array("hidden_states").shape[1:]), dtype=np.float16)
     with pytest.raises(StoreError, match="aligned to Zarr chunks of 16 rows"):
-        store.write_rows(8, {"input_ids": np.zeros(16, dtype=np.int32)})
+        store.write_rows(8, {"hidden_states": states})
+
+
+def test_a_pending_chunks_token_rows_are_rewritten_whole_objects_from_the_plan(
+    store_url: str,
+) -> None:
+    """A resumed run rewrites its pending chunks' token rows; the token arrays' objects span
+    many chunks, so the objects holding them are rewritten whole from the plan: the other
+    chunks' rows come back as planned even where the object was lost."""
+    plan = make_plan([40, 40], work=48, token_rows_per_object=32)
+    store = ExtractionStore.open_or_create(store_url, plan, meta())
+    rows = store.array("input_ids").shape[0]
+    planned = store.read_rows("input_ids", 0, rows).copy()
+    assert store.object_rows("input_ids") == 32 and len(plan.chunks) == 2
+    for obj in range(-(-rows // 32)):  # every object gone
+        store.fs.rm(f"{store.root}/input_ids/c.{obj}")
+    store.write_token_rows(plan, [plan.chunks[1]])  # rows [48, 96): objects 1 and 2
+    with pytest.raises(StoreError, match=r"input_ids rows \[0, 32\): expected storage object"):
+        store.read_rows("input_ids", 0, rows)
+    assert np.array_equal(store.read_rows("input_ids", 32, rows), planned[32:])
+    assert np.array_equal(np.asarray(store.array("input_ids")[32:]), planned[32:])  # zarr too
 
 
 def test_unknown_scheme_names_the_url() -> None:

@@ -16,7 +16,8 @@ from rich.table import Table
 
 runs_app = typer.Typer(help="Past runs from the Prefect API: hsx runs, hsx runs show ID.")
 console = Console()
-FLOWS = ("hsx-extract", "hsx-regenerate", "hsx-verify", "hsx-preflight")
+# The runs a user starts; a fan-out's children (hsx-extract-item) are parts of their parent's.
+FLOWS = ("hsx-extract", "hsx-extract-fanout", "hsx-regenerate", "hsx-verify", "hsx-preflight")
 
 
 def _client() -> Any:
@@ -117,8 +118,11 @@ def runs(
                 "attempts": run.run_count,
                 "model": last.get("model", "-"),
                 "store": last.get("store", run.parameters.get("store", "-")),
-                # Every attempt's commits (a retried run's first attempt committed most).
-                "committed": _total(attempts, "chunks_committed_now"),
+                # Every attempt's commits (a retried run's first attempt committed most); a
+                # fan-out parent counts the store's, whichever child committed them.
+                "committed": _total(attempts, "chunks_committed_now")
+                if any("chunks_committed_now" in a for a in attempts)
+                else last.get("chunks_committed", "-"),
                 "failed": last.get("chunks_failed", "-"),
                 "retried": last.get("chunks_retried", "-"),
                 "duration": _duration(run),

@@ -183,6 +183,10 @@ def _all_chunks_once(
         assert server.log().count("hsx serve: loading") == 1, server.log()[-2000:]
     verified = hsx("verify", url, env=s3)
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    listed = hsx("runs", "--json", env=stack.env)
+    (row,) = [r for r in json.loads(listed.stdout) if r["id"] == parent]  # `hsx runs` lists it
+    assert row["state"] == "Completed" and row["store"] == url, row
+    assert row["committed"] == len(chunks), row
     print(
         f"\n3 nodes: {len(chunks)} chunks in {len(children)} items, {wall:.1f} s; per node "
         f"{json.dumps(nodes)}; S3 requests {dict(proxy.requests)}"

@@ -180,6 +180,37 @@ def test_token_objects_span_work_chunks_and_every_read_and_verify_sees_the_plann
     ], report.problems
 
 
+def test_a_store_from_before_token_objects_reads_its_token_arrays_in_c_rows(
+    host: HostPipeline, tmp_path: Path
+) -> None:
+    """A store written before token_rows_per_object (its token arrays in C-row objects, no such
+    key in its metadata) reads, verifies and resumes as before."""
+    import zarr
+
+    from hsx.store.layout_copy import write_layout_copy
+    from hsx.store.zarr_store import HSX_ATTR
+
+    url = str(tmp_path / "older.zarr")
+    plan = make_plan([5, 30, 17, 64], work=48, token_rows_per_object=16)
+    store = ExtractionStore.open_or_create(url, plan, meta())
+    for chunk in plan.chunks[:2]:
+        extract_chunk(host, store, chunk, StatesEngine(), 40, RunContext("r"))
+    group = zarr.open_group(url, mode="r+")
+    attrs = dict(group.attrs[HSX_ATTR])
+    del attrs["token_rows_per_object"]
+    group.attrs[HSX_ATTR] = attrs
+    write_layout_copy(store.fs, store.root, url)  # as that hsx wrote it
+    older = ExtractionStore.open(url)
+    assert older.object_rows("input_ids") == 16
+    older.write_token_rows(plan, older.pending_chunks())  # a resume's rewrite, in C rows
+    report = verify_store(older)
+    assert not report.problems and report.missing == [2], report.summary()
+    for index, length in enumerate([5, 30]):
+        assert np.array_equal(
+            HiddenStatesReader(url).sample(index).input_ids.numpy(), sample_tokens(index, length)[0]
+        )
+
+
 def test_token_objects_must_be_whole_multiples_of_c() -> None:
     from hsx.errors import ConfigError
     from hsx.plan.chunks import token_object_rows

@@ -32,6 +32,13 @@ def missing_component(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Count the run's expensive starts (engines, servers, Prefect stacks): tests/starts.py."""
+    from tests.starts import install
+
+    install(config)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``vllm`` are skipped, with the reason, where vLLM is not installed (the
     unit-test venvs of other Pythons); where it is, they run."""
@@ -68,11 +75,39 @@ def sample_dataset() -> Path:
 
 
 @pytest.fixture(scope="session")
-def prefect_harness() -> Iterator[None]:
-    """A real Prefect engine and API (temporary SQLite), once per session (~10 s)."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real Prefect API server for the session (the CLI's own temporary server, on a fresh
+    SQLite database in a Prefect home of its own), named in ``PREFECT_API_URL`` for every
+    process the tests start: a CLI run then uses it instead of starting its own server (~7 s a
+    run on these 2-core machines). Tests of the CLI's own server (tests/integration/
+    test_demo.py, test_interrupt.py) take ``PREFECT_API_URL`` out of their children's env."""
+    from flows.temporary_server import TemporaryServer
 
-    with prefect_test_harness(server_startup_timeout=120):
+    home = tmp_path_factory.mktemp("prefect-home")
+    saved = {name: os.environ.get(name) for name in ("PREFECT_HOME", "PREFECT_API_URL")}
+    os.environ["PREFECT_HOME"] = str(home)
+    server = TemporaryServer(home, timeout_s=120)
+    os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        yield server.api_url
+    finally:
+        from flows.run_guard import drain_prefect_workers
+
+        drain_prefect_workers(timeout_s=3.0)
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(prefect_api: str) -> Iterator[None]:
+    """A real Prefect engine in this process, on the session's API server."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api}):
         yield
 
 

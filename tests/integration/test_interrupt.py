@@ -27,9 +27,12 @@ EXIT_WITHIN_S = 15.0
 
 
 def start_and_wait_for_first_commit(command: list[str], store: Path) -> subprocess.Popen[str]:
+    """The CLI as a user starts it: no PREFECT_API_URL, so it starts (and owns) a temporary
+    Prefect server, whose fate under the signals is part of what is checked here."""
     process = subprocess.Popen(
         command,
         cwd=REPO_ROOT,
+        env={k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
         start_new_session=True,  # its own process group, like a job in a terminal
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -16,9 +16,8 @@ lint: venv
 typecheck: venv
 	@$(VENV)/bin/mypy
 
-test: venv lint typecheck  ## everything CI runs: the suite on 3.11, then the unit tests on 3.12
-	@$(PY) -m pytest -m "not gpu" -p no:cacheprovider -q -rs --durations=15
-	@bash scripts/unit-tests-on.sh 3.12
+test:  ## everything CI runs (environment, lint, types, the suite on 3.11, unit tests on 3.12), timed
+	@bash scripts/test-all.sh
 
 test-py%:  ## unit tests under another Python, e.g. make test-py3.13
 	@bash scripts/unit-tests-on.sh $*

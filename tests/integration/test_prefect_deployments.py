@@ -24,14 +24,24 @@ from hsx.store.zarr_store import ExtractionStore
 from tests.cli import hsx
 from tests.conftest import REPO_ROOT
 from tests.prefect_stack import Stack, running_stack
+from tests.servers import READY, ServeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """One stack per database for the module (each start: prefect-up.sh, nine deployments, a
+    worker). Tests whose subject is not the database run on one of them (``ON_SQLITE``,
+    ``ON_POSTGRES``): SQLite is the stack a user starts first, PostgreSQL the one a team
+    shares; the broad run of every deployment runs on both."""
     with running_stack(str(request.param)) as running:
         yield running
+
+
+# Tests whose subject is hsx's behaviour under Prefect, not the database behind it.
+ON_SQLITE = pytest.mark.parametrize("stack", ["sqlite"], indirect=True)
+ON_POSTGRES = pytest.mark.parametrize("stack", ["postgres"], indirect=True)
 
 
 def test_the_ui_shows_the_api_of_its_own_port(stack: Stack) -> None:
@@ -54,6 +64,7 @@ def test_the_ui_shows_the_api_of_its_own_port(stack: Stack) -> None:
     assert extract["model"] == f"{REPO_ROOT}/models/tiny-llama"  # usable as it is
 
 
+@ON_POSTGRES
 def test_regenerate_then_extract_runs_from_its_deployment(stack: Stack, tmp_path: Path) -> None:
     """The deployment with partial parameters for both jobs: the worker's flow run starts its
     own `hsx serve`, regenerates greedily through it, extracts through it, and stops it."""
@@ -129,6 +140,7 @@ def test_three_deployments_run_with_partial_parameters(stack: Stack, tmp_path: P
     )
 
 
+@ON_SQLITE
 def test_a_failed_chunk_is_retried_from_the_ui_alone_and_both_attempts_are_kept(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -223,6 +235,7 @@ def test_a_failed_chunk_is_retried_from_the_ui_alone_and_both_attempts_are_kept(
     ]
 
 
+@ON_SQLITE
 def test_a_run_that_fails_before_its_store_exists_keeps_a_record_beside_it(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -245,6 +258,7 @@ def test_a_run_that_fails_before_its_store_exists_keeps_a_record_beside_it(
     assert info.returncode == 1 and "failed in plan" in info.stdout, info.stdout + info.stderr
 
 
+@ON_SQLITE
 def test_a_ui_cancel_ends_cancelled_with_an_honest_record(stack: Stack, tmp_path: Path) -> None:
     """The UI's Cancel of a worker-run extraction (Cancelling, then the runner's SIGTERM): the run
     ends Cancelled, nothing half-committed, and the store's record and `hsx runs` say what this
@@ -292,6 +306,7 @@ def test_a_ui_cancel_ends_cancelled_with_an_honest_record(stack: Stack, tmp_path
     assert row["committed"] == len(committed) and row["model"].endswith("tiny-llama")
 
 
+@ON_POSTGRES
 def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -370,6 +385,7 @@ def _flow_run_process(run_id: str) -> int:
     return top[0]
 
 
+@ON_POSTGRES
 def test_a_server_restart_keeps_a_running_extractions_concurrency_lease(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -412,6 +428,7 @@ def test_a_server_restart_keeps_a_running_extractions_concurrency_lease(
     assert not (stack.home / "concurrency_leases" / f"{lease}.json").exists()  # released
 
 
+@ON_SQLITE
 def test_hsx_runs_pages_through_every_run(stack: Stack) -> None:
     """Prefect answers 200 items a call: `hsx runs` and `hsx runs show` read every page."""
     flow = stack.call("POST", "/flows/", json={"name": "hsx-verify"}).json()["id"]
@@ -437,6 +454,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+@ON_POSTGRES
 def test_the_worker_stops_on_one_sigterm_and_keeps_its_state_in_hsx_home(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -491,3 +509,107 @@ def test_the_worker_stops_on_one_sigterm_and_keeps_its_state_in_hsx_home(
         if shell.poll() is None:
             os.killpg(shell.pid, signal.SIGKILL)
             shell.wait()
+
+
+def _flow_log_messages(stack: Stack, run_id: str) -> list[str]:
+    logs = stack.call(
+        "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
+    ).json()
+    return [log["message"] for log in logs]
+
+
+@ON_SQLITE
+def test_two_served_runs_and_a_ui_retry_share_one_model_load(stack: Stack, tmp_path: Path) -> None:
+    """The team setup of issue 13: an `hsx serve` beside the stack, and the `extract-served`
+    deployment run as the UI runs it. Two flow runs on two stores and a UI Retry of a run whose
+    chunk failed all go to the one server: the model is loaded once (its log, its instance in
+    every commit, its token counters), while the worker starts a fresh process for every flow
+    run and builds no engine there."""
+    from hsx.extraction.steps import plan_and_create_store, resolve_settings
+    from settings import HsxSettings, merge_partial
+
+    # The deployment's defaults (the tiny Llama the stack built, its own dtype and lengths):
+    # `hsx serve` with its defaults serves exactly what those runs freeze.
+    server = ServeProcess(REPO_ROOT / "models" / "tiny-llama", tmp_path, "--no-probe")
+    server.start()
+    try:
+        instance = server.info()["instance"]
+        tokens_before = server.metric("vllm:prompt_tokens_total")
+        common = {
+            "data": {"max_samples": 60},
+            "engine": {"url": [server.url]},
+            "layout": {"rows_per_chunk": 256, "min_work_chunk_tokens": 1024},
+            "run": {"retries": 1, "retry_delay_seconds": 0},
+        }
+        first_store, second_store = str(tmp_path / "one.zarr"), str(tmp_path / "two.zarr")
+
+        first = stack.run(
+            "hsx-extract", "extract-served", {"settings": {**common, "store": first_store}}
+        )
+        done = stack.wait(first)
+        assert done["state_type"] == "COMPLETED", done["state"]["message"]
+
+        # The second store, planned as the run will plan it, with a directory where chunk
+        # 1's first hidden-state object must go: its writes fail for real.
+        partial = {**common, "store": second_store}
+        deployment = stack.deployment_id("hsx-extract", "extract-served")
+        defaults = stack.call("GET", f"/deployments/{deployment}").json()["parameters"]
+        settings = resolve_settings(
+            HsxSettings.model_validate(merge_partial(defaults["settings"], partial))
+        )
+        plan_and_create_store(settings)
+        opened = ExtractionStore.open(second_store)
+        chunk = opened.work_chunks[1]
+        blocker = (
+            Path(second_store)
+            / "hidden_states"
+            / f"c.{chunk.row_start // opened.rows_per_chunk}.0.0"
+        )
+        blocker.mkdir()
+        second = stack.run("hsx-extract", "extract-served", {"settings": partial})
+        failed = stack.wait(second)
+        assert failed["state_type"] == "FAILED" and "chunk 1: " in failed["state"]["message"]
+        blocker.rmdir()
+        started = time.monotonic()
+        stack.retry_like_the_ui(second)
+        retried = stack.wait(second)
+        retry_seconds = time.monotonic() - started
+        assert retried["state_type"] == "COMPLETED", retried["state"]["message"]
+        assert retried["run_count"] == 2
+
+        # One load served the three attempts: every commit of both stores names the one
+        # instance, the server started once and loaded its weights once, and it computed
+        # (at least) every token of both stores.
+        totals = 0
+        for store in (first_store, second_store):
+            commits = ExtractionStore.open(store).committed_chunks()
+            assert sorted(commits) == list(range(len(ExtractionStore.open(store).work_chunks)))
+            assert {(c.extra or {})["engine_server"]["instance"] for c in commits.values()} == {
+                instance
+            }
+            totals += sum(c.tokens for c in commits.values())
+        log = server.log()
+        assert log.count(READY) == 1
+        # Counted at its start: tqdm may print the 100% line twice for one load.
+        assert log.split("hsx serve: loading", 1)[1].count("checkpoint shards:   0%") == 1
+        assert server.metric("vllm:prompt_tokens_total") - tokens_before >= totals
+        commits = ExtractionStore.open(second_store).committed_chunks()
+        assert commits[1].extra["flow_run_attempt"] == 2
+        assert all(c.extra["flow_run_attempt"] == 1 for i, c in commits.items() if i != 1)
+        # Each attempt ran in a fresh worker process and checked the server instead of
+        # probing a model: no engine was built there.
+        for run_id in (first, second):
+            logs = " ".join(_flow_log_messages(stack, run_id))
+            assert "preflight servers: PASS" in logs, logs[-2000:]
+            assert f"on server {server.url} (instance {instance})" in logs, logs[-2000:]
+            assert "preflight probe" not in logs
+        # The audit: `hsx info` names the server (URL and instance) of every chunk.
+        shown = hsx("info", second_store, env=stack.env)
+        assert shown.returncode == 0 and "server (instance)" in shown.stdout, shown.stdout
+        listed = json.loads(hsx("info", second_store, "--json", env=stack.env).stdout)
+        assert [c["extra"]["engine_server"]["url"] for c in listed["commits"]] == [
+            server.url
+        ] * len(commits)
+        print(f"the UI's Retry of the second run took {retry_seconds:.1f} s, no model load")
+    finally:
+        server.stop()

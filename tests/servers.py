@@ -55,6 +55,11 @@ class ServeProcess:
         self.starts = 0  # how many times this test started it (each start loads the model)
 
     def start(self, timeout: float = 300) -> ServeProcess:
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> ServeProcess:
+        """Start `hsx serve` and return at once (``wait_ready`` waits for its model load): several
+        servers then load at the same time."""
         env = {**os.environ, "COLUMNS": "200", "HSX_SERVER__STATE_DIR": str(self.state_dir)}
         if self.api_key is not None:
             env["HSX_SERVER__API_KEY"] = self.api_key
@@ -67,6 +72,10 @@ class ServeProcess:
                 env=env,
             )
         self.starts += 1
+        return self
+
+    def wait_ready(self, timeout: float = 300) -> ServeProcess:
+        assert self.process is not None, "wait_ready before launch"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.log().count(READY) >= self.starts:

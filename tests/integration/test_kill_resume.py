@@ -21,7 +21,9 @@ from tests.stores import compare_stores
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def extract_command(model: Path, dataset: Path, store: Path) -> list[str]:
+def extract_command(
+    model: Path, dataset: Path, store: Path, max_samples: int | None = None
+) -> list[str]:
     return [
         *HSX,
         "extract",
@@ -44,12 +46,18 @@ def extract_command(model: Path, dataset: Path, store: Path) -> list[str]:
         "--max-length",
         "2047",
         "--no-preflight",
+        *([] if max_samples is None else ["--max-samples", str(max_samples)]),
     ]
+
+
+# The kill test's runs: ~35 work chunks, enough to be killed between two (SIGSTOP at the first
+# commit); the whole bundled file (~100) adds nothing but time.
+KILLED_SAMPLES = 100
 
 
 def run_extract(model: Path, dataset: Path, store: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        extract_command(model, dataset, store),
+        extract_command(model, dataset, store, KILLED_SAMPLES),
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -86,7 +94,7 @@ def test_sigkill_mid_run_then_resume(
     store = tmp_path / "killed.zarr"
     commits = store / "commits"
     process = subprocess.Popen(
-        extract_command(tiny_llama, sample_dataset, store),
+        extract_command(tiny_llama, sample_dataset, store, KILLED_SAMPLES),
         cwd=REPO_ROOT,
         start_new_session=True,
         stdout=subprocess.DEVNULL,

@@ -121,8 +121,10 @@ def test_three_nodes_commit_every_chunk_once_and_a_dead_node_is_replaced(tmp_pat
             for n in range(NODES)
         ]
         try:
+            for server in servers:  # the three load at once, as nodes do
+                server.launch()
             for server in servers:
-                server.start()
+                server.wait_ready()
             _three_nodes(servers, proxy, s3, tmp_path)
         finally:
             for server in servers:

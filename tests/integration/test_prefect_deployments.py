@@ -316,9 +316,10 @@ def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
     from hsx.regeneration.output import RegeneratedOutput
 
     out = tmp_path / "cancelled-regeneration"
-    settings = {  # 100 chunks of 2 conversations, 3 at a time: a minute, a Cancel takes seconds
+    chunks = 30  # of 2 conversations, 3 at a time: tens of seconds, while a Cancel takes a few
+    settings = {
         "out": str(out),
-        "data": {"max_samples": 200},
+        "data": {"max_samples": 2 * chunks},
         "generation": {"max_tokens": 64, "conversations_per_chunk": 2},
     }
     run_id = stack.run("hsx-regenerate", "regenerate", {"settings": settings})
@@ -342,7 +343,7 @@ def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
         time.sleep(0.5)
     output = RegeneratedOutput(str(out))
     committed = output.committed_indices()
-    assert 0 < len(committed) < 100
+    assert 0 < len(committed) < chunks
     assert output.verify() == []  # every committed part verifies; no part without its commit
     parts = {int(p.name[5:11]) for p in (out / "data").glob("part-*.jsonl")}
     assert committed <= parts  # (a part without its commit counts for nothing)
@@ -359,11 +360,11 @@ def test_a_ui_cancel_of_a_regeneration_ends_cancelled_and_a_retry_finishes_it(
     retried = stack.wait(run_id, timeout=600)
     assert retried["state_type"] == "COMPLETED", retried["state"]["message"]
     after = output.committed()
-    assert set(after) == set(range(100)) and output.verify() == []
+    assert set(after) == set(range(chunks)) and output.verify() == []
     assert {i: after[i] for i in before} == before  # the cancelled attempt's chunks kept
     shown = json.loads(hsx("runs", "show", run_id, "--json", env=stack.env).stdout)
     assert [a["status"] for a in shown["attempts"]] == ["cancelled", "completed"]
-    assert shown["attempts"][1]["chunks_committed_now"] == 100 - len(committed)
+    assert shown["attempts"][1]["chunks_committed_now"] == chunks - len(committed)
 
 
 def _flow_run_process(run_id: str) -> int:

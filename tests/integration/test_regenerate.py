@@ -73,6 +73,18 @@ def dataset_rows(dataset: Path, count: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in dataset.read_text().splitlines()[:count]]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_12(
+    tiny_llama: Path, sample_dataset: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    """The rows of one uninterrupted regeneration of 12 samples (6 chunks): what a killed and
+    resumed run of the same inputs must write, however it was cut (per-sample seeds)."""
+    whole = tmp_path_factory.mktemp("regenerate") / "uninterrupted"
+    done = hsx(*regenerate_args(tiny_llama, sample_dataset, whole, samples=12))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return rows_of(whole)
+
+
 def test_each_turn_is_conditioned_on_the_regenerated_ones_and_extract_reads_their_ids(
     tiny_llama: Path, sample_dataset: Path, tmp_path: Path
 ) -> None:
@@ -166,7 +178,7 @@ def test_the_whole_bundled_dataset_regenerates_with_the_defaults(
 
 
 def test_sigkill_then_resume_generates_the_same_tokens_and_refuses_changed_sampling(
-    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path, uninterrupted_12: list[dict[str, Any]]
 ) -> None:
     out = tmp_path / "killed"
     process = subprocess.Popen(
@@ -221,10 +233,7 @@ def test_sigkill_then_resume_generates_the_same_tokens_and_refuses_changed_sampl
     for index, record in before.items():  # committed before the kill: kept, not redone
         assert after[index] == record
 
-    whole = tmp_path / "uninterrupted"
-    uninterrupted = hsx(*regenerate_args(tiny_llama, sample_dataset, whole, samples=12))
-    assert uninterrupted.returncode == 0, uninterrupted.stdout[-3000:]
-    assert rows_of(out) == rows_of(whole)  # per-sample seeds: the same tokens, however cut
+    assert rows_of(out) == uninterrupted_12  # per-sample seeds: the same tokens, however cut
 
 
 @pytest.mark.parametrize(
@@ -440,7 +449,7 @@ def test_greedy_turns_replay_exactly_and_a_vllm_server_regenerates_the_same(
 
 
 def test_a_chunk_whose_engine_dies_is_retried_alone(
-    tiny_llama: Path, sample_dataset: Path, tmp_path: Path
+    tiny_llama: Path, sample_dataset: Path, tmp_path: Path, uninterrupted_12: list[dict[str, Any]]
 ) -> None:
     """SIGKILL of vLLM's engine core (a child process: engine.in_process=false) while a chunk
     generates: that chunk's task fails with the cause named, is retried on a rebuilt engine and
@@ -488,7 +497,4 @@ def test_a_chunk_whose_engine_dies_is_retried_alone(
     assert not retried & set(before)  # committed before the kill: not redone
     assert all(after[i]["finished_at"] > killed_at for i in retried)
     assert "vLLM generation failed" in said and "transient, will retry" in said
-    whole = tmp_path / "uninterrupted"
-    uninterrupted = hsx(*regenerate_args(tiny_llama, sample_dataset, whole, samples=12))
-    assert uninterrupted.returncode == 0, uninterrupted.stdout[-3000:]
-    assert rows_of(out) == rows_of(whole)
+    assert rows_of(out) == uninterrupted_12

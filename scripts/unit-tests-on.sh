@@ -15,11 +15,16 @@ if [[ -z "$python" ]]; then
   echo "[py$version] expected a Python $version interpreter (python$version or pyenv's), found none" >&2
   exit 2
 fi
-venv="$root/.venv-py$version"
+# The environment holds hsx's dependencies, not hsx: the tests import this checkout's code (its
+# root first on the path). It lives outside the checkout, keyed by what it is built from, so a
+# fresh clone (CI's) reuses the one built before instead of fetching torch's few GB again.
 stamp="$(cat pyproject.toml scripts/unit-tests-on.sh | sha256sum | cut -c1-16)"
-if [[ ! -f "$venv/.hsx-stamp" || "$(cat "$venv/.hsx-stamp")" != "$stamp" ]]; then
+cache="${HSX_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hsx}"
+venv="$cache/venv-py$version-$stamp"
+if [[ ! -f "$venv/.hsx-ready" ]]; then
   echo "[py$version] creating $venv with $python (torch's wheel is a few GB: minutes the first time)"
-  rm -rf "$venv"
+  mkdir -p "$cache"
+  rm -rf "$venv" "$cache/venv-py$version-"*  # this one half-built, or older ones
   "$python" -m venv "$venv"
   quiet() {  # pip's output only when it fails, and a failure stops here
     local log; log="$(mktemp)"
@@ -28,11 +33,13 @@ if [[ ! -f "$venv/.hsx-stamp" || "$(cat "$venv/.hsx-stamp")" != "$stamp" ]]; the
   }
   quiet "$venv/bin/python" -m pip install -q --upgrade "pip>=24"
   # torch as on the CPU machines (2.13.0); PyPI's wheel for this Python is a CUDA build, which
-  # runs on the CPU too.
-  quiet "$venv/bin/pip" install -q "torch==2.13.0" -e ".[s3,dev]"
-  "$venv/bin/python" -c "import torch, zarr, prefect, hsx, flows" \
+  # runs on the CPU too. hsx itself is installed for its dependencies, then removed.
+  quiet "$venv/bin/pip" install -q "torch==2.13.0" ".[s3,dev]"
+  quiet "$venv/bin/pip" uninstall -q -y hsx
+  PYTHONPATH="$root" "$venv/bin/python" -c "import torch, zarr, prefect, hsx, flows" \
     || { echo "[py$version] the environment does not import (torch/zarr/prefect/hsx)" >&2; exit 1; }
-  echo "$stamp" > "$venv/.hsx-stamp"
+  touch "$venv/.hsx-ready"
 fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 "$venv/bin/python" -c 'import sys, zarr; print(f"[py{sys.version_info[0]}.{sys.version_info[1]}] zarr {zarr.__version__}")'
 exec "$venv/bin/python" -m pytest tests/unit -q -p no:cacheprovider -rs

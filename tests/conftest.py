@@ -39,11 +39,29 @@ def pytest_configure(config: pytest.Config) -> None:
     install(config)
 
 
+# The longest modules, longest first (bench/ci-times.md has their times): with test workers
+# (pytest-xdist, whole modules per worker) they start first, so that no worker is left with a
+# long module at the end while the other idles. Serially the order changes nothing.
+LONGEST_MODULES = (
+    "test_many_nodes.py",
+    "test_prefect_deployments.py",
+    "test_regenerate.py",
+    "test_serve.py",
+)
+
+
+def _module_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``vllm`` are skipped, with the reason, where vLLM is not installed (the
-    unit-test venvs of other Pythons); where it is, they run."""
+    """The longest modules first (a stable sort: each module's own order is kept). Tests marked
+    ``vllm`` are skipped, with the reason, where vLLM is not installed (the unit-test venvs of
+    other Pythons); where it is, they run."""
     import importlib.util
 
+    items.sort(key=_module_rank)
     if importlib.util.find_spec("vllm") is not None:
         return
     skip = pytest.mark.skip(reason="vLLM is not installed in this environment")

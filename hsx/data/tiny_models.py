@@ -182,12 +182,19 @@ def is_current(model_dir: Path) -> bool:
 
 
 def ensure_tiny_models(root: Path, names: tuple[str, ...] = TINY_MODEL_NAMES) -> dict[str, Path]:
-    """Build the tiny models under ``root`` unless a current build is already there."""
+    """Build the tiny models under ``root`` unless a current build is already there. Processes
+    that ask at once (a demo and a stack's setup, two test workers) take turns on a lock file:
+    the second finds the first one's build instead of removing its half-built folder."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
     built: dict[str, Path] = {}
-    for name in names:
-        target = root / name
-        if not is_current(target):
-            logger.info("building tiny model %s in %s", name, target)
-            build_tiny_model(name, target)
-        built[name] = target
+    with (root / ".hsx-tiny-models.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        for name in names:
+            target = root / name
+            if not is_current(target):
+                logger.info("building tiny model %s in %s", name, target)
+                build_tiny_model(name, target)
+            built[name] = target
     return built

@@ -150,10 +150,9 @@ def _three_nodes(
         # PostgreSQL, as a team runs a server that many nodes share (and its restart below).
         with running_stack("postgres", workers=workers) as stack:
             _all_chunks_once(stack, servers, proxy, s3)
-            dead = _a_killed_node(stack, servers, proxy, s3)
+            dead = _a_killed_and_a_frozen_node(stack, servers, proxy, s3)
             alive = [server for n, server in enumerate(servers) if n != dead]
             _a_crashed_parent_is_retried(stack, alive, proxy, s3)
-            _a_frozen_node(stack, servers, alive, s3)
             _a_restarted_prefect_server(stack, alive, proxy)
     finally:
         os.environ.pop("HSX_ZOMBIE_WINDOW_S", None)
@@ -239,48 +238,81 @@ def _measured(store: ExtractionStore, children: list[dict[str, Any]]) -> dict[st
     }
 
 
-def _a_killed_node(
+def _a_killed_and_a_frozen_node(
     stack: Stack, servers: list[ServeProcess], proxy: FaultProxy, s3: dict[str, str]
 ) -> int:
-    """kill -9 of a node mid-item: the automation declares its run Crashed, the parent
-    resubmits the uncommitted chunks to the live nodes. Returns the dead node."""
+    """In one run, while each of two nodes extracts an item: one is killed (kill -9 of its
+    worker, its item run and its server, as a power loss) and the other frozen (SIGSTOP of its
+    worker, item run and server) past the zombie window. The automation declares both item runs
+    Crashed (one window for both), the parent resubmits their uncommitted chunks to the third
+    node; the frozen node, thawed once its chunks were redone, commits nothing more: its late
+    run abandons before its commit or loses the put-if-absent (a collision recorded). Every
+    chunk is committed once and verifies. Returns the dead node."""
     url = f"s3://{BUCKET}/killed.zarr"
     parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 160, 0.05))
-    victim, item_run = _a_node_mid_item(stack, servers, parent)
+    (victim, killed_run), (frozen_node, frozen_run) = _nodes_mid_item(stack, servers, parent, 2)
     store = ExtractionStore.open(url)
-    committed_before = set(store.committed_chunks())
+    frozen_groups = [
+        stack.workers[frozen_node + 1].pid,
+        int(servers[frozen_node].info()["server_pid"]),
+    ]
+    for group in frozen_groups:
+        os.killpg(group, signal.SIGSTOP)
     killed_at, killed_wall = time.monotonic(), datetime.now(UTC)
-    # The node dies: its worker (and the flow run it started, in its process group) and its
-    # server, as a power loss would take them.
     os.killpg(stack.workers[victim + 1].pid, signal.SIGKILL)
     servers[victim].kill_server()
-    crashed_after = _wait_state(stack, item_run, "CRASHED", ZOMBIE_WINDOW_S + 120) - killed_at
-    done = stack.wait(parent, timeout=600)
-    assert done["state_type"] == "COMPLETED", done["state"]["message"]
+    time.sleep(1)  # a commit PUT already on the wire lands
+    committed_before = set(store.committed_chunks())
+    frozen_commits = _committed_by(store, frozen_run)
+    try:
+        crashed_after = _wait_state(stack, killed_run, "CRASHED", ZOMBIE_WINDOW_S + 120) - killed_at
+        _wait_state(stack, frozen_run, "CRASHED", ZOMBIE_WINDOW_S + 120)
+        done = stack.wait(parent, timeout=600)  # their chunks redone on the third node
+        assert done["state_type"] == "COMPLETED", done["state"]["message"]
+    finally:
+        for group in frozen_groups:
+            os.killpg(group, signal.SIGCONT)
+    frozen = _flow_process_or_none(frozen_run)
+    deadline = time.monotonic() + 60
+    while frozen is not None and Path(f"/proc/{frozen}").exists() and time.monotonic() < deadline:
+        time.sleep(1)  # the late run sees it is Crashed and ends
     chunks = [c.index for c in store.work_chunks]
     commits = store.committed_chunks()
-    assert sorted(commits) == chunks and store.collisions() == []
-    assert _commit_puts(proxy, "killed.zarr") == Counter({index: 1 for index in chunks})
+    assert sorted(commits) == chunks
     assert set(commits) >= committed_before  # nothing committed before was redone
+    assert _committed_by(store, frozen_run) == frozen_commits  # nothing committed once thawed
+    refused = Counter(int(c["chunk_index"]) for c in store.collisions())
+    for collision in store.collisions():  # a late commit refused: the first one stands
+        assert commits[collision["chunk_index"]].run_id == collision["winner"]["run_id"]
+    # One commit PUT per chunk; a second only where a late commit was refused.
+    puts = _commit_puts(proxy, "killed.zarr")
+    assert all(puts[i] == 1 + refused[i] for i in chunks), (puts, refused)
     after = [i for i in chunks if i not in committed_before]
-    assert all(commits[i].extra["engine_server"]["url"] != servers[victim].url for i in after)
+    dead_or_frozen = {servers[victim].url, servers[frozen_node].url}
+    assert all(commits[i].extra["engine_server"]["url"] not in dead_or_frozen for i in after)
     retried = [c for c in _children(stack, parent) if c["name"].endswith("-try2")]
     assert retried and all(c["state_type"] == "COMPLETED" for c in retried)
-    (victim_item,) = [c for c in _children(stack, parent) if c["id"] == item_run]
-    item_name = victim_item["name"].rsplit("-try", 1)[0]
-    redo_runs = {c["id"] for c in retried if c["name"].startswith(item_name)}
-    redone = [i for i in after if commits[i].run_id in redo_runs]
-    assert redone, (item_name, retried)
+    redone: list[int] = []
+    for item_run in (killed_run, frozen_run):
+        (item,) = [c for c in _children(stack, parent) if c["id"] == item_run]
+        item_name = item["name"].rsplit("-try", 1)[0]
+        redo_runs = {c["id"] for c in retried if c["name"].startswith(item_name)}
+        redone_here = [i for i in after if commits[i].run_id in redo_runs]
+        assert redone_here, (item_name, retried)
+        redone += redone_here
     resubmitted = min(datetime.fromisoformat(c["created"]) for c in retried) - killed_wall
     last_redone = max(datetime.fromisoformat(commits[i].finished_at) for i in redone) - killed_wall
     assert crashed_after >= ZOMBIE_WINDOW_S - HEARTBEAT_S  # not before the window
     verified = hsx("verify", url, env=s3)
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    late = stack.flow_run(frozen_run)["state"]
     print(
-        f"\nkill -9 of node {victim}: Crashed after {crashed_after:.0f} s, resubmitted after "
-        f"{resubmitted.total_seconds():.0f} s, its last redone chunk committed after "
-        f"{last_redone.total_seconds():.0f} s; {len(redone)} chunks redone "
-        f"({sum(int(commits[i].tokens) for i in redone)} tokens), 0 lost, 0 committed twice"
+        f"\nkill -9 of node {victim} and SIGSTOP of node {frozen_node} mid-item: Crashed after "
+        f"{crashed_after:.0f} s, resubmitted after {resubmitted.total_seconds():.0f} s, the last "
+        f"redone chunk committed after {last_redone.total_seconds():.0f} s; {len(redone)} chunks "
+        f"redone ({sum(int(commits[i].tokens) for i in redone)} tokens), 0 lost, 0 committed "
+        f"twice, {sum(refused.values())} late commits refused; the thawed run ended "
+        f"{late['name']} ({(late.get('message') or '')[:120]})"
     )
     return victim
 
@@ -312,53 +344,6 @@ def _a_crashed_parent_is_retried(
     print(
         f"\nparent killed with {len(before)} children started, retried: {len(children)} "
         "children in all, each once"
-    )
-
-
-def _a_frozen_node(
-    stack: Stack, servers: list[ServeProcess], alive: list[ServeProcess], s3: dict[str, str]
-) -> None:
-    """SIGSTOP of a node (its worker, item run and server) past the zombie window, then
-    SIGCONT once its chunks were redone elsewhere: the late run abandons before its commit or
-    loses the put-if-absent (a collision recorded); every chunk is committed once and verifies."""
-    url = f"s3://{BUCKET}/frozen.zarr"
-    # Items of ~6 chunks (0.1 min at 1000 tokens/s): frozen with chunks still to do.
-    parent = stack.run("hsx-extract-fanout", "extract-fanout", _run_settings(url, 160, 0.1))
-    index, item_run = _a_node_mid_item(stack, alive, parent)
-    node = servers.index(alive[index])
-    groups = [stack.workers[node + 1].pid, int(alive[index].info()["server_pid"])]
-    for group in groups:
-        os.killpg(group, signal.SIGSTOP)
-    time.sleep(1)  # a commit PUT already on the wire lands
-    frozen_commits = _committed_by(ExtractionStore.open(url), item_run)
-    try:
-        _wait_state(stack, item_run, "CRASHED", ZOMBIE_WINDOW_S + 120)
-        done = stack.wait(parent, timeout=600)  # its chunks redone on the other node
-        assert done["state_type"] == "COMPLETED", done["state"]["message"]
-    finally:
-        for group in groups:
-            os.killpg(group, signal.SIGCONT)
-    frozen = _flow_process_or_none(item_run)
-    deadline = time.monotonic() + 60
-    while frozen is not None and Path(f"/proc/{frozen}").exists() and time.monotonic() < deadline:
-        time.sleep(1)  # the late run sees it is Crashed and ends
-    store = ExtractionStore.open(url)
-    chunks = [c.index for c in store.work_chunks]
-    commits = store.committed_chunks()
-    assert sorted(commits) == chunks
-    assert _committed_by(store, item_run) == frozen_commits  # nothing committed once thawed
-    for collision in store.collisions():  # a late commit refused: the first one stands
-        assert commits[collision["chunk_index"]].run_id == collision["winner"]["run_id"]
-    redone = [c for c in _children(stack, parent) if c["name"].endswith("-try2")]
-    verified = hsx("verify", url, env=s3)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
-    late = stack.flow_run(item_run)["state"]
-    print(
-        f"\nSIGSTOP of node {node} past the window, then SIGCONT: {len(frozen_commits)} chunks "
-        f"committed before the freeze, {len(redone)} items resubmitted, "
-        f"{len(store.collisions())} late commits refused, the thawed run ended "
-        f"{late['name']} ({(late.get('message') or '')[:120]}); every chunk committed once, "
-        "verify OK"
     )
 
 
@@ -413,17 +398,29 @@ def _flow_process(run_id: str) -> int:
 
 def _a_node_mid_item(stack: Stack, servers: list[ServeProcess], parent: str) -> tuple[int, str]:
     """The node running an item that has started extracting, and that item's run."""
+    (found,) = _nodes_mid_item(stack, servers, parent, 1)
+    return found
+
+
+def _nodes_mid_item(
+    stack: Stack, servers: list[ServeProcess], parent: str, count: int
+) -> list[tuple[int, str]]:
+    """``count`` distinct nodes, each running an item of ``parent`` that has started
+    extracting, with that item's run."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        found: dict[int, str] = {}
         for child in _children(stack, parent):
             if child["state_type"] != "RUNNING":
                 continue
             said = _first_log(stack, child["id"], r"work chunks of .* on http://")
             for n, server in enumerate(servers):
                 if said and said.endswith(server.url):
-                    return n, str(child["id"])
+                    found.setdefault(n, str(child["id"]))
+        if len(found) >= count:
+            return sorted(found.items())[:count]
         time.sleep(0.5)
-    raise AssertionError(f"no item of {parent} running on a node after 300 s")
+    raise AssertionError(f"not {count} items of {parent} running on distinct nodes after 300 s")
 
 
 def _wait_state(stack: Stack, run_id: str, state: str, timeout: float) -> float:

@@ -217,10 +217,18 @@ def vllm_argument_problems(plan: ServerPlan) -> list[str]:
         with contextlib.redirect_stderr(refusal), contextlib.redirect_stdout(refusal):
             parsed = parser.parse_args(["serve", *plan.arguments])
     except (SystemExit, ValueError) as exc:
-        found = refusal.getvalue().strip().splitlines()[-1:] or [str(exc) or "no message"]
-        return [f"vllm serve refuses hsx's arguments: {found[0]}"]
+        return [f"vllm serve refuses hsx's arguments: {_parser_refusal(refusal.getvalue(), exc)}"]
     reserved = reserved_flag_problems(subparsers.choices["serve"], list(plan.extra_arguments))
     return reserved + _read_back_problems(parsed, plan)
+
+
+def _parser_refusal(output: str, exc: BaseException) -> str:
+    """argparse's reason for refusing (from its "error:" line on), else the exception's."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    errors = [i for i, line in enumerate(lines) if "error:" in line]
+    if errors:
+        return " ".join(lines[errors[-1] :])[:500]
+    return (lines[-1] if lines else str(exc) or type(exc).__name__)[:500]
 
 
 class _Unset(list[Any]):
@@ -241,21 +249,25 @@ def reserved_flag_problems(serve_parser: argparse.ArgumentParser, extra: list[st
         for option in action.option_strings
     }
     reserved = {actions[flag].dest: flag for flag in RESERVED_VLLM_FLAGS if flag in actions}
-    reserved.update(
-        {a.dest: "MODEL (positional)" for a in serve_parser._actions if not a.option_strings}
-    )
     unset = {dest: _Unset() for dest in reserved}
+    # A positional (the model) takes its default whenever it is absent: compared with that.
+    positionals = [action for action in serve_parser._actions if not action.option_strings]
     namespace = argparse.Namespace(**unset)
     refusal = io.StringIO()
     try:
         with contextlib.redirect_stderr(refusal), contextlib.redirect_stdout(refusal):
             serve_parser.parse_args(extra, namespace)
     except (SystemExit, ValueError) as exc:
-        found = refusal.getvalue().strip().splitlines()[-1:] or [str(exc) or "no message"]
-        return [f"server.vllm_args {shlex.join(extra)!r}: vllm serve refuses them: {found[0]}"]
+        said = _parser_refusal(refusal.getvalue(), exc)
+        return [f"server.vllm_args {shlex.join(extra)!r}: vllm serve refuses them: {said}"]
     taken = sorted(
         flag for dest, flag in reserved.items() if getattr(namespace, dest) is not unset[dest]
     )
+    taken += [
+        f"{action.dest.upper()} (positional)"
+        for action in positionals
+        if getattr(namespace, action.dest, action.default) != action.default
+    ]
     if not taken:
         return []
     return [

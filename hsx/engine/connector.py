@@ -60,7 +60,7 @@ from hsx.engine.copier import DeviceToHostCopier, gather_rows_on_cpu, write_spoo
 from hsx.engine.log_safety import shown
 from hsx.engine.options import CONNECTOR_NAME
 from hsx.engine.platform import request_amx
-from hsx.engine.result_ring import ChannelClosedError, RingWriter
+from hsx.engine.result_ring import ChannelClosedError, ChannelFullError, RingWriter
 from hsx.engine.server_protocol import (
     PARAMS_KEY,
     SERVER_INSTANCE_ENV,
@@ -451,7 +451,13 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         else:  # the ring was full when this request's rows were copied
             nbytes = rows.nbytes
             if ring is not self._ring:
-                ring.spool_room(nbytes)  # ChannelFullError: a client that does not read
+                try:
+                    ring.spool_room(nbytes)
+                except ChannelFullError as exc:
+                    # A client behind by a whole ring: this request fails (its client hears
+                    # why); the channel goes on, and is given up once its FIFO is full too.
+                    ring.announce_error(key, exc)
+                    return
             with timings.timed("spool_write", nbytes):
                 path = write_spool_file(ring.folder, key, rows, ring.folder_fd)
             ring.spooled(path.name, nbytes)

@@ -404,28 +404,30 @@ def _release(used: np.ndarray, start: int, count: int) -> None:
 def check_channel(folder: str, granules: int, secret: str, owners: OwnerRule) -> None:
     """ChannelRefusedError (ChannelOwnershipError: not the requesting client's) unless a
     request may have its rows written into ``folder``: a client's folder holding ``secret``,
-    and its ring of ``granules`` (checked while the ring has its name: a client removes the
-    name once the server holds the ring open). What the API server checks before the engine
+    its ring of ``granules`` and its FIFO (each checked while it has its name: a client removes
+    the names once the server holds them open). What the API server checks before the engine
     sees a request; the engine's RingWriter checks the same when it opens the channel."""
     folder_fd = open_channel_folder(folder, owners)
     try:
         check_secret(folder_fd, folder, secret, owners)
-        try:
-            ring = open_in_channel(folder_fd, RING_FILE, os.O_RDONLY, "file", owners)
-        except ChannelRefusedError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, FileNotFoundError):
-                return  # removed after the handshake: the server holds it open already
-            raise
-        try:
-            found = os.fstat(ring).st_size
-        finally:
-            os.close(ring)
-        expected = ring_file_bytes(granules)
-        if found != expected:
-            raise ChannelRefusedError(
-                f"channel {folder}: expected a ring of {expected} bytes for granules="
-                f"{granules}, found {found} bytes"
-            )
+        for name, kind in ((RING_FILE, "file"), (READY_FIFO, "fifo")):
+            try:
+                # O_PATH: looked at, never opened for reading or writing (a FIFO's open has
+                # effects); a link opens as itself, and its kind refuses it.
+                fd = open_in_channel(folder_fd, name, os.O_PATH, kind, owners)
+            except ChannelRefusedError as exc:
+                if isinstance(exc.__cause__, FileNotFoundError):
+                    continue  # removed after the handshake: the server holds it open already
+                raise
+            try:
+                found = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            expected = ring_file_bytes(granules)
+            if kind == "file" and found != expected:
+                raise ChannelRefusedError(
+                    f"channel {folder}: expected a ring of {expected} bytes for granules="
+                    f"{granules}, found {found} bytes"
+                )
     finally:
         os.close(folder_fd)

@@ -116,10 +116,24 @@ def body_problem(body: bytes, owners: OwnerRule) -> GuardRefusalError | None:
     return None
 
 
+def _log_to_stderr() -> None:
+    """The refusals reach the server's log: vLLM's API server process imports SageMaker's
+    package, which sets the root logger (and its handlers) to ERROR, so this logger writes to
+    stderr itself."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 class ServeGuard:
     """The ASGI middleware (``--middleware hsx.serve.guard.ServeGuard``)."""
 
     def __init__(self, app: ASGIApp) -> None:
+        _log_to_stderr()
         self.app = app
         self._key = os.environ.get(API_KEY_ENV, "")
         self._owners = owners_from_environment()

@@ -242,9 +242,13 @@ def test_a_refusal_is_logged_escaped_and_cut(
 ) -> None:
     guard, _ = app
     forged = "/dev/shm/hsx-channel-x\n2026-12-07 INFO forged line"
-    with caplog.at_level(logging.WARNING, logger="hsx.serve.guard"):
+    guard_logger = logging.getLogger("hsx.serve.guard")  # writes to stderr, not to the root's
+    guard_logger.addHandler(caplog.handler)
+    try:
         call(guard, "POST", "/v1/completions", json=completion(channel, channel=forged))
         call(guard, "POST", "/v1/completions", json=completion(channel, key="k" * (1 << 20)))
+    finally:
+        guard_logger.removeHandler(caplog.handler)
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == 2
     assert all("\n" not in line and len(line) < 1000 for line in lines), lines
@@ -263,3 +267,19 @@ def test_a_channel_whose_secret_file_others_can_read_is_refused(
     secret_file.symlink_to("/etc/hostname")
     answer = call(guard, "POST", "/v1/completions", json=completion(channel))
     assert answer.status_code == 403 and "channel file secret: expected a file" in answer.text
+
+
+def test_a_channel_whose_fifo_is_a_link_is_refused(
+    app: tuple[ServeGuard, Recorder], channel: tuple[str, str], tmp_path: Path
+) -> None:
+    """The attack of issue 30 (a ready.fifo linking to a file the server may write), now
+    refused before the engine sees it; the file is untouched."""
+    guard, recorder = app
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    fifo = Path(channel[0]) / "ready.fifo"
+    fifo.unlink()
+    fifo.symlink_to(victim)
+    answer = call(guard, "POST", "/v1/completions", json=completion(channel))
+    assert answer.status_code == 400 and "channel file ready.fifo: not a fifo" in answer.text
+    assert victim.read_text() == "precious\n" and recorder.seen == []

@@ -381,13 +381,12 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
 
     def _close_channel(self, folder: str, gone: bool = False) -> None:
         """Close a channel; ``gone`` (its reader went away or stopped reading): never open it
-        again, remove the spool files it left unread, forget its requests' routes."""
+        again, and remove the spool files it left unread. Routes of its requests still in
+        flight stay: their delivery finds the ring closed and writes nothing."""
         with self._channels_lock:
             ring = self._channels.pop(folder, None)
             if gone:
                 self._broken_channels.add(folder)
-            if ring is not None:
-                self._routes = {k: r for k, r in self._routes.items() if r[0] is not ring}
         if ring is not None:
             with contextlib.suppress(OSError):
                 ring.close(remove_unread=gone)
@@ -431,6 +430,11 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
                 )
                 self._close_channel(ring.folder, gone=True)
             return
+        if self._serving:
+            # Under hsx serve every extracted request has a route (build_connector_meta skips
+            # the others): nowhere to deliver, and never a reason to stop the engine.
+            logger.warning("request %s: no channel to deliver to; rows dropped", shown(key))
+            return
         with _SINKS_LOCK:
             sink = _SINKS.get(self._sink_id)
         if sink is not None:
@@ -444,6 +448,15 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         self._announce(self._ring, key, rows)
 
     def _announce(self, ring: RingWriter, key: str, rows: torch.Tensor | BaseException) -> None:
+        if ring is self._ring:
+            self._announce_in(ring, key, rows)
+            return
+        # A client's channel: held open for the whole delivery (ChannelClosedError once given
+        # up), so that no spool file is made through a folder descriptor closed meanwhile.
+        with ring.in_use():
+            self._announce_in(ring, key, rows)
+
+    def _announce_in(self, ring: RingWriter, key: str, rows: torch.Tensor | BaseException) -> None:
         if isinstance(rows, BaseException):
             ring.announce_error(key, rows)
         elif ring.owns(rows):

@@ -151,9 +151,10 @@ class RingWriter:
         self._allocated: dict[int, int] = {}  # data address -> granules, until announced
         self._timings_sent = 0.0
         self.pinned = False
-        # Writes to the FIFO and its close, one at a time: after close() no write reaches a
-        # descriptor number the process may have reused (the GPU copier delivers from a thread).
-        self._fifo_lock = threading.Lock()
+        # Uses of the channel's descriptors (FIFO writes, spool files made in its folder) and
+        # its close, one at a time: after close() nothing reaches a descriptor number the
+        # process may have reused (the GPU copier delivers from a thread of its own).
+        self._use_lock = threading.RLock()
         self.closed = False
         # Spool files announced and not yet read (the reader removes each it reads): name ->
         # bytes. A channel's are bounded by its ring's size and removed when it is given up.
@@ -272,10 +273,8 @@ class RingWriter:
             cut = str(message.get("error", ""))[: _MAX_MESSAGE // 2] + "..."
             line = (json.dumps(dict(message, error=cut), separators=(",", ":")) + "\n").encode()
         deadline = time.monotonic() + _FULL_FIFO_WAIT_S
-        with self._fifo_lock:
+        with self.in_use():
             while True:
-                if self.closed:
-                    raise ChannelClosedError(f"channel {self.folder}: closed, nothing written")
                 try:
                     os.write(self._ready, line)  # below PIPE_BUF: all or nothing
                     return
@@ -284,9 +283,18 @@ class RingWriter:
                         raise
                     time.sleep(0.001)
 
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Hold the channel open for a use of its descriptors; ChannelClosedError once closed."""
+        with self._use_lock:
+            if self.closed:
+                raise ChannelClosedError(f"channel {self.folder}: closed, nothing written")
+            yield
+
     def spool_room(self, nbytes: int) -> None:
         """ChannelFullError unless a spool file of ``nbytes`` fits beside the unread ones: their
-        bytes stay within the ring's size (one file always fits when none is unread)."""
+        bytes stay within the ring's size (one file always fits when none is unread). Called
+        within in_use()."""
         for name in list(self._spooled):
             try:
                 os.stat(name, dir_fd=self._folder_fd, follow_symlinks=False)
@@ -314,7 +322,7 @@ class RingWriter:
         except OSError:
             pass  # a reader gone or stalled: the timings go nowhere
         finally:
-            with self._fifo_lock:
+            with self._use_lock:
                 if not self.closed:
                     self.closed = True
                     if remove_unread:

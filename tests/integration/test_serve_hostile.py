@@ -355,10 +355,12 @@ def test_fuzz_the_request_schema_through_the_server(
 ) -> None:
     """A bounded fuzz (about a minute): generated kv_transfer_params (types, bounds, unicode,
     sizes, unknown keys, bent paths) and mutated bodies, each answered 4xx (or 200 for a body
-    the mutation left valid), never 5xx; the engine checked every 50 requests and at the end."""
+    the mutation left valid), never 5xx; /health after each request, an extraction every 50
+    and at the end."""
     mine = Channel()
     rng = random.Random(45)
     counts: dict[int, int] = {}
+    health = httpx.Client(base_url=server.url, timeout=30)
     started = time.monotonic()
     try:
         corpus = hostile_transfer_params(45, 100_000, mine.folder, mine.secret)
@@ -379,11 +381,14 @@ def test_fuzz_the_request_schema_through_the_server(
                 assert 400 <= answer.status_code < 500, answer.text[:500]
             counts[answer.status_code] = counts.get(answer.status_code, 0) + 1
             sent += 1
+            # After each: vLLM's /health (503 once its engine is dead); every 50: an extraction.
+            assert health.get("/health").status_code == 200, (sent, answer.text[:500])
             if sent % 50 == 0:
                 serves(server, client)
         print(f"fuzz: {sent} requests in {time.monotonic() - started:.0f} s: {counts}")
         assert sent >= 100
     finally:
+        health.close()
         mine.close()
     clean_log(server)
     serves(server, client)

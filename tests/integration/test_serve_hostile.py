@@ -155,6 +155,10 @@ def test_every_route_but_health_needs_the_key(server: ServeProcess, client: Serv
     tokenized = post(server, "/tokenize", key=None, body={"prompt": "hi"})
     assert tokenized.status_code == 401
     serves(server, client)
+    # The key is on no command line and in no log line; no access log (a line per batch).
+    server_pid = int(server.info()["server_pid"])
+    assert KEY.encode() not in Path(f"/proc/{server_pid}/cmdline").read_bytes()
+    assert '"POST /v1/completions HTTP/1.1"' not in clean_log(server)
 
 
 def test_no_value_of_kv_transfer_params_kills_the_engine(

@@ -473,7 +473,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
                     return
             with timings.timed("spool_write", nbytes):
                 path = write_spool_file(ring.folder, key, rows, ring.folder_fd)
-            ring.spooled(path.name, nbytes)
+            if ring is not self._ring:
+                ring.spooled(path.name, nbytes)  # counted until its client reads it
             ring.announce_file(key, str(path))
 
     def shutdown(self) -> None:

@@ -338,6 +338,8 @@ def test_a_client_that_never_reads_costs_its_own_channel_alone(
         held = sum(p.stat().st_size for p in spooled)
         assert len(spooled) <= 2 and held <= ring_bytes + 500_000, (len(spooled), held)
         assert slowest < 5.0, f"another client waited {slowest:.1f} s"
+        print(f"stalled channel: {len(spooled)} spool file(s), {held} bytes; another client's "
+              f"slowest extraction meanwhile {slowest:.2f} s")  # fmt: skip
         # Hundreds more (one request of 400 prompts): its FIFO fills, the channel is given up.
         many = [[*prompt, i] for i in range(400)]
         burst = post(server, body={**body, "prompt": many, "kv_transfer_params": stalled.params()})

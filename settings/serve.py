@@ -38,8 +38,26 @@ RESERVED_VLLM_FLAGS = frozenset(
         "--load-format",
         "--seed",
         "--api-key",  # server.api_key: passed in the environment, off the command line
+        "--config",  # a file of more flags, read when the server starts: not checkable here
     }
 )
+
+
+def reserved_flag(argument: str) -> str | None:
+    """The flag hsx sets itself that ``argument`` (one of server.vllm_args) would set as vLLM
+    parses it, or None: ``--flag``, ``--flag=value``, ``--flag_name`` and ``--flag.key``
+    (vLLM reads them all as ``--flag``), and an abbreviation argparse would complete to it
+    (``--hos`` is ``--host``). hsx.serve.server parses them with vLLM's own parser too, before
+    the load, for what no spelling rule here knows (short flags such as ``-tp``)."""
+    if not argument.startswith("--") or argument == "--":
+        return None
+    name = argument.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    if name in RESERVED_VLLM_FLAGS:
+        return name
+    # A strict prefix of a reserved flag: argparse completes it (allow_abbrev) when no other
+    # flag starts the same way; no vLLM flag is such a prefix (a unit test holds it).
+    completions = sorted(flag for flag in RESERVED_VLLM_FLAGS if flag.startswith(name))
+    return completions[0] if completions and len(name) > 2 else None
 
 
 def is_loopback(host: str) -> bool:
@@ -129,8 +147,12 @@ class ServerSettings(StrictSection):
     @field_validator("vllm_args")
     @classmethod
     def _not_reserved(cls, value: list[str]) -> list[str]:
+        # The flag as written, never its value (``--api-key=...`` must not reach a log).
         reserved = sorted(
-            {arg.split("=", 1)[0] for arg in value} & RESERVED_VLLM_FLAGS,
+            name if name == flag else f"{name} ({flag})"
+            for arg in value
+            if (flag := reserved_flag(arg)) is not None
+            for name in [arg.split("=", 1)[0]]
         )
         if reserved:
             raise ValueError(

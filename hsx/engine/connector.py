@@ -20,6 +20,12 @@ there under the client's key, and the request's response carries the server's id
 digest of the prompt the engine computed (``request_finished``). A client that went away costs
 its channel, never the server: every write to a channel is non-blocking and its failure drops
 that channel alone.
+
+Nothing a request sends can stop the engine: its kv_transfer_params pass hsx's schema here too
+(the API server's guard refused what fails it already), a channel is opened only with the
+secret its client wrote into it, and any failure of a request's channel (refused, full, a
+reader gone or stalled) costs that request or that channel, logged with what the request sent
+escaped and cut (hsx.engine.log_safety).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,18 +52,21 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 import contextlib
+import hmac
 
 from hsx import timings
-from hsx.engine.channel_files import OwnerRule
+from hsx.engine.channel_files import ChannelOwnershipError, OwnerRule
 from hsx.engine.copier import DeviceToHostCopier, gather_rows_on_cpu, write_spool_file
+from hsx.engine.log_safety import shown
 from hsx.engine.options import CONNECTOR_NAME
 from hsx.engine.platform import request_amx
-from hsx.engine.result_ring import RingWriter
+from hsx.engine.result_ring import ChannelClosedError, ChannelFullError, RingWriter
 from hsx.engine.server_protocol import (
-    ENCODING_PARAM,
     PARAMS_KEY,
     SERVER_INSTANCE_ENV,
     ChannelRequest,
+    RequestParamsError,
+    TransferParams,
     prompt_digest,
 )
 from hsx.engine.vllm_compat import HIDDEN_STATE_LAYOUT, TOKENS_FIRST, hidden_state_cache_order
@@ -66,6 +75,10 @@ from hsx.store.fp8_states import PACKED_SCALE_BYTES
 from hsx.store.fp8_states import pack as packed_fp8
 
 logger = logging.getLogger(__name__)
+
+# Channels a server holds open at once (each holds its folder, its FIFO and its ring's mapping):
+# beyond it, those whose client is gone are dropped first, then a new one is refused.
+MAX_CHANNELS = 256
 
 # vLLM imports this module in the engine core's own process too (engine.in_process=False):
 # ask Linux for AMX there before the model's first kernel runs.
@@ -174,9 +187,13 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         self._ring: RingWriter | None = None  # engine in its own process: rows go here
         self._is_writer_rank = True
         self._channels: dict[str, RingWriter] = {}  # channel folder -> its ring (hsx serve)
+        # Channels given up (refused after their secret matched, a reader gone or stalled):
+        # never opened again, so that a stalled client costs the server's steps one wait.
         self._broken_channels: set[str] = set()
         # vLLM request id -> (the client's ring, the client's key), until delivered
         self._routes: dict[str, tuple[RingWriter, str]] = {}
+        # Channels and routes change in the engine's step and, on GPUs, in the copier's thread.
+        self._channels_lock = threading.Lock()
 
     # ---- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -286,42 +303,93 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
 
     def _ring_of(self, job: ExtractionJob) -> RingWriter | None:
         """The ring a job's rows go to: its client's channel (hsx serve; routed by vLLM's
-        request id until delivered), else the ring of the hsx process that built this engine."""
+        request id until delivered), else the ring of the hsx process that built this engine.
+        None for a channel the request may not or cannot use: that request is not extracted."""
         if job.channel is None:
             return self._ring
-        folder = job.channel.channel
-        ring = self._channels.get(folder)
-        if ring is None and folder not in self._broken_channels:
-            try:
-                # Non-blocking: a client that went away must never stall the server's step.
-                ring = RingWriter(
-                    folder, job.channel.granules, nonblocking=True, owners=self._channel_owners
-                )
-            except OSError as exc:
-                # Its rows cannot be delivered: the client's wait for them runs out and names
-                # the channel; other clients go on.
-                self._broken_channels.add(folder)
-                logger.error("hsx channel %s cannot be opened: %r", folder, exc)
+        request = job.channel
+        folder = request.channel
+        with self._channels_lock:
+            ring = self._channels.get(folder)
+        if ring is not None and not hmac.compare_digest(
+            (ring.secret or "").encode(), request.secret.encode()
+        ):
+            logger.error(
+                "request %s names channel %s without its secret: not extracted",
+                shown(job.key),
+                shown(folder),
+            )
+            return None
+        if ring is None:
+            ring = self._open_channel(request)
+            if ring is None:
                 return None
+        with self._channels_lock:
+            self._routes[job.key] = (ring, request.key)
+        return ring
+
+    def _open_channel(self, request: ChannelRequest) -> RingWriter | None:
+        folder = request.channel
+        if folder in self._broken_channels:
+            return None
+        if len(self._channels) >= MAX_CHANNELS:
             self._drop_dead_channels()
-            if self._copier is not None:
-                ring.pin()
+        if len(self._channels) >= MAX_CHANNELS:
+            logger.error(
+                "hsx channel %s refused: expected at most %d open channels, found %d",
+                shown(folder),
+                MAX_CHANNELS,
+                len(self._channels),
+            )
+            return None
+        try:
+            # Non-blocking: a client that went away must never stall the server's step.
+            ring = RingWriter(
+                folder,
+                request.granules,
+                nonblocking=True,
+                owners=self._channel_owners,
+                secret=request.secret,
+            )
+        except ChannelOwnershipError as exc:
+            # Not this request's channel (or gone): refused, and the channel stays usable by
+            # its own client (a request without the secret must not break it).
+            logger.error("hsx channel %s refused: %s", shown(folder), shown(str(exc), 400))
+            return None
+        except Exception as exc:  # whatever the folder holds: its request alone fails
+            # Its rows cannot be delivered: the client's wait for them runs out and names the
+            # channel; other clients go on.
+            self._broken_channels.add(folder)
+            logger.error(
+                "hsx channel %s cannot be opened: %s", shown(folder), shown(repr(exc), 400)
+            )
+            return None
+        self._drop_dead_channels()
+        if self._copier is not None:
+            ring.pin()
+        with self._channels_lock:
             self._channels[folder] = ring
-        if ring is not None:
-            self._routes[job.key] = (ring, job.channel.key)
         return ring
 
     def _drop_dead_channels(self) -> None:
         """Forget channels whose client is gone (each kept its ring mapped here)."""
-        for folder, ring in list(self._channels.items()):
+        with self._channels_lock:
+            rings = list(self._channels.items())
+        for folder, ring in rings:
             if not ring.reader_alive():
-                self._close_channel(folder)
+                self._close_channel(folder, gone=True)
 
-    def _close_channel(self, folder: str) -> None:
-        ring = self._channels.pop(folder, None)
+    def _close_channel(self, folder: str, gone: bool = False) -> None:
+        """Close a channel; ``gone`` (its reader went away or stopped reading): never open it
+        again, and remove the spool files it left unread. Routes of its requests still in
+        flight stay: their delivery finds the ring closed and writes nothing."""
+        with self._channels_lock:
+            ring = self._channels.pop(folder, None)
+            if gone:
+                self._broken_channels.add(folder)
         if ring is not None:
             with contextlib.suppress(OSError):
-                ring.close()
+                ring.close(remove_unread=gone)
 
     def _block_index(self, jobs: list[ExtractionJob]) -> tuple[torch.Tensor, list[int]]:
         """The blocks of every request completing in this step, in token order, and where each
@@ -346,16 +414,26 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         return index, starts
 
     def _deliver(self, key: str, rows: torch.Tensor | BaseException) -> None:
-        route = self._routes.pop(key, None)
+        with self._channels_lock:
+            route = self._routes.pop(key, None)
         if route is not None:  # a client of hsx serve: its failure is its own
             ring, reply_key = route
             try:
                 self._announce(ring, reply_key, rows)
-            except OSError as exc:
+            except ChannelClosedError:
+                return  # given up already (said once, when it was)
+            except Exception as exc:  # a channel that fails costs that channel alone
                 logger.warning(
-                    "hsx channel %s: client gone (%r); channel dropped", ring.folder, exc
+                    "hsx channel %s: client gone or not reading (%s); channel dropped",
+                    shown(ring.folder),
+                    shown(repr(exc), 400),
                 )
-                self._close_channel(ring.folder)
+                self._close_channel(ring.folder, gone=True)
+            return
+        if self._serving:
+            # Under hsx serve every extracted request has a route (build_connector_meta skips
+            # the others): nowhere to deliver, and never a reason to stop the engine.
+            logger.warning("request %s: no channel to deliver to; rows dropped", shown(key))
             return
         with _SINKS_LOCK:
             sink = _SINKS.get(self._sink_id)
@@ -370,13 +448,33 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         self._announce(self._ring, key, rows)
 
     def _announce(self, ring: RingWriter, key: str, rows: torch.Tensor | BaseException) -> None:
+        if ring is self._ring:
+            self._announce_in(ring, key, rows)
+            return
+        # A client's channel: held open for the whole delivery (ChannelClosedError once given
+        # up), so that no spool file is made through a folder descriptor closed meanwhile.
+        with ring.in_use():
+            self._announce_in(ring, key, rows)
+
+    def _announce_in(self, ring: RingWriter, key: str, rows: torch.Tensor | BaseException) -> None:
         if isinstance(rows, BaseException):
             ring.announce_error(key, rows)
         elif ring.owns(rows):
             ring.announce_rows(key, rows)
         else:  # the ring was full when this request's rows were copied
-            with timings.timed("spool_write", rows.nbytes):
+            nbytes = rows.nbytes
+            if ring is not self._ring:
+                try:
+                    ring.spool_room(nbytes)
+                except ChannelFullError as exc:
+                    # A client behind by a whole ring: this request fails (its client hears
+                    # why); the channel goes on, and is given up once its FIFO is full too.
+                    ring.announce_error(key, exc)
+                    return
+            with timings.timed("spool_write", nbytes):
                 path = write_spool_file(ring.folder, key, rows, ring.folder_fd)
+            if ring is not self._ring:
+                ring.spooled(path.name, nbytes)  # counted until its client reads it
             ring.announce_file(key, str(path))
 
     def shutdown(self) -> None:
@@ -403,22 +501,27 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
     ) -> None:
         # Called for every request the scheduler admits, before build_connector_meta: the only
         # place the scheduler side sees the request's kv_transfer_params (hsx serve's channel).
-        transfer = getattr(request, "kv_transfer_params", None) or {}
-        if transfer.get(ENCODING_PARAM) == FP8_ENCODING:
-            self._encodings[request.request_id] = FP8_ENCODING
-        params = transfer.get(PARAMS_KEY)
-        if params is None or request.request_id in self._channel_requests:
+        transfer = getattr(request, "kv_transfer_params", None)
+        if transfer is None or request.request_id in self._channel_requests:
             return
         try:
-            channel = ChannelRequest.from_params(params)
-        except ValueError as exc:  # a malformed request: computed, not extracted; never fatal
-            logger.error("request %s: %s", request.request_id, exc)
+            params = TransferParams.of(transfer)
+            if params.hsx_state_encoding == FP8_ENCODING:
+                self._encodings[request.request_id] = FP8_ENCODING
+            if params.hsx is None:
+                return
+            # The prompts of one completion share its parameters: each prompt's rows go under
+            # the client's batch key and the digest of the prompt this engine runs, which the
+            # client matches with the prompts it sent (vLLM's request ids are not the client's
+            # to parse).
+            digest = prompt_digest(request.prompt_token_ids or [])
+        except Exception as exc:  # whatever a request sent: computed, not extracted; never fatal
+            said = str(exc) if isinstance(exc, RequestParamsError) else shown(repr(exc), 400)
+            logger.error("request %s: not extracted: %s", shown(request.request_id), said)
             return
-        # The prompts of one completion share its parameters: each prompt's rows go under the
-        # client's batch key and the digest of the prompt this engine runs, which the client
-        # matches with the prompts it sent (vLLM's request ids are not the client's to parse).
-        digest = prompt_digest(request.prompt_token_ids or [])
-        self._channel_requests[request.request_id] = replace(channel, key=f"{channel.key}:{digest}")
+        self._channel_requests[request.request_id] = params.hsx.model_copy(
+            update={"key": f"{params.hsx.key}:{digest}"}
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HsxConnectorMetadata()
@@ -473,11 +576,15 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1):
         if self._channel_requests.pop(request.request_id, None) is None:
             return False, None
         # Back to the client in the response: which server computed it, and what it computed.
+        try:
+            digest = prompt_digest(request.prompt_token_ids or [])
+        except Exception as exc:  # never fatal; the client sees no digest it sent
+            digest = f"none ({shown(repr(exc))})"
         reply = {
             "instance": self._instance,
             "pid": os.getpid(),
             "prompt_tokens": len(request.prompt_token_ids or []),
-            "prompt_digest": prompt_digest(request.prompt_token_ids or []),
+            "prompt_digest": digest,
         }
         return False, {PARAMS_KEY: reply}
 

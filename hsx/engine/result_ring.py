@@ -18,6 +18,7 @@ that finds the ring full goes to a spool file instead: the engine never waits fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -35,7 +36,9 @@ import torch
 
 from hsx import timings
 from hsx.engine.channel_files import (
+    ChannelRefusedError,
     OwnerRule,
+    check_secret,
     open_channel_folder,
     open_in_channel,
 )
@@ -62,6 +65,11 @@ def ring_granules(capacity_bytes: int) -> int:
     return max(1, capacity_bytes // GRANULE)
 
 
+def ring_file_bytes(granules: int) -> int:
+    """The size of a ring file of ``granules``: its byte map, then the granules."""
+    return _map_bytes(granules) + granules * GRANULE
+
+
 class _Mapping:
     """The ring file mapped shared: the byte map and the granules as numpy views."""
 
@@ -69,13 +77,16 @@ class _Mapping:
         """Maps ``path``, or the open ``fd`` (which it closes) when given."""
         self.granules = granules
         self.data_start = _map_bytes(granules)
-        size = self.data_start + granules * GRANULE
+        size = ring_file_bytes(granules)
         fd = os.open(path, os.O_RDWR) if fd is None else fd
         try:
             found = os.fstat(fd).st_size
             if found != size:
-                raise RuntimeError(
-                    f"result ring {path}: expected {size} bytes for {granules} granules, found {found}"
+                # A client's ring of another size than its request says (hsx serve): refused,
+                # as any channel the server will not write into.
+                raise ChannelRefusedError(
+                    f"result ring {path}: expected {size} bytes for {granules} granules, "
+                    f"found {found}"
                 )
             self.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
@@ -85,24 +96,20 @@ class _Mapping:
 
 
 # A non-blocking writer (hsx serve's channel to one client) waits this long for room in a full
-# FIFO before it gives the channel up: a stalled client must not stall the server's steps.
-_FULL_FIFO_WAIT_S = 2.0
+# FIFO before it gives the channel up: a stalled client must not stall the server's steps (the
+# FIFO holds hundreds of announcements: a reader that reads is never this far behind). Once per
+# channel: a channel given up is not opened again.
+_FULL_FIFO_WAIT_S = 0.25
 
 
-def _send(fd: int, message: dict[str, Any]) -> None:
-    line = (json.dumps(message, separators=(",", ":")) + "\n").encode()
-    if len(line) > _MAX_MESSAGE:  # only an error's text can be long: shorten it, keep it atomic
-        message = dict(message, error=str(message.get("error", ""))[: _MAX_MESSAGE // 2] + "...")
-        line = (json.dumps(message, separators=(",", ":")) + "\n").encode()
-    deadline = time.monotonic() + _FULL_FIFO_WAIT_S
-    while True:
-        try:
-            os.write(fd, line)  # below PIPE_BUF: all or nothing
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.001)
+class ChannelClosedError(OSError):
+    """A write to a channel this server has given up (closed): its descriptors are gone, and a
+    number reused by another file must never be written."""
+
+
+class ChannelFullError(OSError):
+    """A channel's ring is full and its unread spool files hold as many bytes as the ring: its
+    client does not read; the request's rows are not written."""
 
 
 class RingWriter:
@@ -118,11 +125,16 @@ class RingWriter:
         granules: int,
         nonblocking: bool = False,
         owners: OwnerRule | None = None,
+        secret: str | None = None,
     ) -> None:
+        """``secret``: the channel's (hsx serve): the folder's secret file must hold it."""
         self.folder = spool_dir
+        self.secret = secret
         owners = owners or OwnerRule.of_this_process()
         self._folder_fd = open_channel_folder(spool_dir, owners)
         try:
+            if secret is not None:  # before any file of the channel is touched
+                check_secret(self._folder_fd, spool_dir, secret, owners)
             ring = open_in_channel(self._folder_fd, RING_FILE, os.O_RDWR, "file", owners)
             self._map = _Mapping(Path(spool_dir) / RING_FILE, granules, fd=ring)
             # The reader holds the FIFO open for reading and writing, so this open does not
@@ -139,6 +151,14 @@ class RingWriter:
         self._allocated: dict[int, int] = {}  # data address -> granules, until announced
         self._timings_sent = 0.0
         self.pinned = False
+        # Uses of the channel's descriptors (FIFO writes, spool files made in its folder) and
+        # its close, one at a time: after close() nothing reaches a descriptor number the
+        # process may have reused (the GPU copier delivers from a thread of its own).
+        self._use_lock = threading.RLock()
+        self.closed = False
+        # Spool files announced and not yet read (the reader removes each it reads): name ->
+        # bytes. A channel's are bounded by its ring's size and removed when it is given up.
+        self._spooled: dict[str, int] = {}
 
     def pin(self) -> None:
         """Register the ring with CUDA as pinned memory, so copies from the device land in it
@@ -214,7 +234,7 @@ class RingWriter:
             "dtype": str(rows.dtype).removeprefix("torch."),
             "shape": list(rows.shape),
         }
-        _send(self._ready, message)
+        self._send(message)
         self._send_timings()
 
     def _send_timings(self, force: bool = False) -> None:
@@ -225,13 +245,13 @@ class RingWriter:
         stages = {
             name: [round(s.seconds, 6), s.count, s.nbytes] for name, s in timings.snapshot().items()
         }
-        _send(self._ready, {"timings": stages, "pid": os.getpid()})
+        self._send({"timings": stages, "pid": os.getpid()})
 
     def reader_alive(self) -> bool:
         """Whether the reading process still holds the FIFO (a write to a FIFO nobody reads
         fails with EPIPE; the reader skips pings)."""
         try:
-            _send(self._ready, {"ping": 1})
+            self._send({"ping": 1})
         except OSError:
             return False
         return True
@@ -242,17 +262,76 @@ class RingWriter:
         return self._folder_fd
 
     def announce_file(self, key: str, path: str) -> None:
-        _send(self._ready, {"key": key, "file": path})
+        self._send({"key": key, "file": path})
 
     def announce_error(self, key: str, error: BaseException) -> None:
-        _send(self._ready, {"key": key, "error": repr(error)})
+        self._send({"key": key, "error": repr(error)})
 
-    def close(self) -> None:
+    def _send(self, message: dict[str, Any]) -> None:
+        line = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        if len(line) > _MAX_MESSAGE:  # only an error's text can be long: shorten it, keep it atomic
+            cut = str(message.get("error", ""))[: _MAX_MESSAGE // 2] + "..."
+            line = (json.dumps(dict(message, error=cut), separators=(",", ":")) + "\n").encode()
+        deadline = time.monotonic() + _FULL_FIFO_WAIT_S
+        with self.in_use():
+            while True:
+                try:
+                    os.write(self._ready, line)  # below PIPE_BUF: all or nothing
+                    return
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.001)
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Hold the channel open for a use of its descriptors; ChannelClosedError once closed."""
+        with self._use_lock:
+            if self.closed:
+                raise ChannelClosedError(f"channel {self.folder}: closed, nothing written")
+            yield
+
+    def spool_room(self, nbytes: int) -> None:
+        """ChannelFullError unless a spool file of ``nbytes`` fits beside the unread ones: their
+        bytes stay within the ring's size (one file always fits when none is unread). Called
+        within in_use()."""
+        for name in list(self._spooled):
+            try:
+                os.stat(name, dir_fd=self._folder_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                del self._spooled[name]  # read (the reader removes what it read)
+        held = sum(self._spooled.values())
+        limit = self._map.granules * GRANULE
+        if self._spooled and held + nbytes > limit:
+            raise ChannelFullError(
+                f"channel {self.folder}: expected its client to read its results, found the "
+                f"ring full and {len(self._spooled)} spool files of {held} bytes unread (at "
+                f"most the ring's {limit} bytes)"
+            )
+
+    def spooled(self, name: str, nbytes: int) -> None:
+        """A spool file of ``nbytes`` written (not yet announced or read)."""
+        self._spooled[name] = nbytes
+
+    def close(self, remove_unread: bool = False) -> None:
+        """Close the channel's descriptors; ``remove_unread``: first remove the spool files its
+        reader never read (a client that went away or stopped reading)."""
         try:
-            self._send_timings(force=True)
+            if not self.closed:
+                self._send_timings(force=True)
+        except OSError:
+            pass  # a reader gone or stalled: the timings go nowhere
         finally:
-            os.close(self._ready)
-            os.close(self._folder_fd)
+            with self._use_lock:
+                if not self.closed:
+                    self.closed = True
+                    if remove_unread:
+                        for name in self._spooled:
+                            with contextlib.suppress(OSError):
+                                os.unlink(name, dir_fd=self._folder_fd)
+                    self._spooled.clear()
+                    os.close(self._ready)
+                    os.close(self._folder_fd)
 
 
 class RingReader:
@@ -328,3 +407,35 @@ class RingReader:
 
 def _release(used: np.ndarray, start: int, count: int) -> None:
     used[start : start + count] = 0
+
+
+def check_channel(folder: str, granules: int, secret: str, owners: OwnerRule) -> None:
+    """ChannelRefusedError (ChannelOwnershipError: not the requesting client's) unless a
+    request may have its rows written into ``folder``: a client's folder holding ``secret``,
+    its ring of ``granules`` and its FIFO (each checked while it has its name: a client removes
+    the names once the server holds them open). What the API server checks before the engine
+    sees a request; the engine's RingWriter checks the same when it opens the channel."""
+    folder_fd = open_channel_folder(folder, owners)
+    try:
+        check_secret(folder_fd, folder, secret, owners)
+        for name, kind in ((RING_FILE, "file"), (READY_FIFO, "fifo")):
+            try:
+                # O_PATH: looked at, never opened for reading or writing (a FIFO's open has
+                # effects); a link opens as itself, and its kind refuses it.
+                fd = open_in_channel(folder_fd, name, os.O_PATH, kind, owners)
+            except ChannelRefusedError as exc:
+                if isinstance(exc.__cause__, FileNotFoundError):
+                    continue  # removed after the handshake: the server holds it open already
+                raise
+            try:
+                found = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            expected = ring_file_bytes(granules)
+            if kind == "file" and found != expected:
+                raise ChannelRefusedError(
+                    f"channel {folder}: expected a ring of {expected} bytes for granules="
+                    f"{granules}, found {found} bytes"
+                )
+    finally:
+        os.close(folder_fd)

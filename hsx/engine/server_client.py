@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from hsx.engine.capture_checks import CapturedDataError
+from hsx.engine.channel_files import write_secret
 from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
 from hsx.engine.results import ResultRendezvous
 from hsx.engine.server_protocol import (
@@ -191,6 +192,9 @@ class ServerEngine:
         self.hidden_size = hidden_size
         self._model = str(self.info["served_model_name"])
         self._channel = make_owned_folder(CHANNEL_PREFIX)
+        # The channel is this client's alone: the server writes into it only for requests that
+        # carry the secret written here (readable by this user alone).
+        self._secret = write_secret(self._channel)
         self._granules = ring_granules(ring_bytes)
         self._rendezvous = ResultRendezvous(
             self._check,
@@ -325,7 +329,7 @@ class ServerEngine:
             "max_tokens": 1,
             "temperature": 0.0,
             "kv_transfer_params": ChannelRequest(
-                self._channel, self._granules, batch.key
+                channel=self._channel, granules=self._granules, key=batch.key, secret=self._secret
             ).to_params(),
         }
         try:
@@ -341,6 +345,18 @@ class ServerEngine:
             return
         if response.status_code == 401:
             self._fail(batch, key_refused(self.url, self._api_key, "/v1/completions"), dead=True)
+            return
+        if response.status_code == 403:
+            # The server refused this client's own channel (gone, or not as it was made): no
+            # request of this client can be extracted; a retry reconnects with a new channel.
+            self._fail(
+                batch,
+                EngineError(
+                    f"server {self.url}: {what}: expected it to write into channel "
+                    f"{self._channel}, found it refused (HTTP 403): {response.text[:500]}"
+                ),
+                dead=True,
+            )
             return
         if response.status_code == 400:
             self._fail(

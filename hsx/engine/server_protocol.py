@@ -1,45 +1,65 @@
 """What an hsx client and an `hsx serve` server (vLLM's own API server) agree on.
 
 A client sends each prompt as an OpenAI completion of token ids with ``kv_transfer_params``
-``{"hsx": {"channel": <its ring folder>, "granules": <ring size>, "key": <its key>}}``; hsx's
-connector in the server's engine puts the rows in that ring under that key, and answers in the
-response's ``kv_transfer_params`` with the server's instance and a digest of the prompt it
-computed. ``GET /hsx/info`` (an ASGI middleware vLLM loads with ``--middleware``) describes what
-the server serves: the model's config hash and weights, the layer ids, the dtype, the host.
-Imports neither vLLM nor starlette at module level: the connector imports it in the engine.
+``{"hsx": {"channel": <its ring folder>, "granules": <ring size>, "key": <its key>, "secret":
+<its channel's secret>}}``; hsx's connector in the server's engine puts the rows in that ring
+under that key, and answers in the response's ``kv_transfer_params`` with the server's instance
+and a digest of the prompt it computed. ``GET /hsx/info`` (hsx.serve.guard, an ASGI middleware
+vLLM loads with ``--middleware``) describes what the server serves: the model's config hash and
+weights, the layer ids, the dtype, the host.
+
+Every value of ``kv_transfer_params`` passes one strict schema (TransferParams) before anything
+uses it: in the API server (the guard answers HTTP 400 naming the field) and again in the engine
+(a request that got past the guard is computed and not extracted, never fatal).
+Imports neither vLLM nor starlette: the connector imports it in the engine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import xxhash
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from hsx.engine.channel_files import check_key
+from hsx.engine.channel_files import SECRET_PATTERN, key_problem
+from hsx.engine.log_safety import shown
 
 PARAMS_KEY = "hsx"
 # kv_transfer_params key of a request whose rows the connector quantizes on the GPU and delivers
 # packed (value: hsx.store.fp8_states.ENCODING; rows [tokens, K, H + 4] uint8).
 ENCODING_PARAM = "hsx_state_encoding"
+FP8_ENCODING = "fp8_e4m3"  # hsx.store.fp8_states.ENCODING (a unit test holds them equal)
+# The request field the schema below guards: wherever it appears in a request's body (vLLM
+# also reads it from ``vllm_xargs``; its scheduler calls ``.get`` on whatever it finds).
+TRANSFER_FIELD = "kv_transfer_params"
 INFO_PATH = "/hsx/info"
+HEALTH_PATH = "/health"
 # Set by `hsx serve` for the vLLM server it starts (its engine process inherits them).
 SERVER_INSTANCE_ENV = "HSX_SERVER_INSTANCE"
 SERVER_INFO_ENV = "HSX_SERVER_INFO"
-MIDDLEWARE = "hsx.engine.server_protocol.info_middleware"
-# vLLM's --api-key in its environment form (read by its server in 0.26 and 0.3x alike): /v1
-# answers 401 without it; /hsx/info checks it here.
+# server.channel_groups as group ids (comma-separated), for the guard in the API server.
+CHANNEL_GIDS_ENV = "HSX_SERVER_CHANNEL_GIDS"
+# The ASGI middleware vLLM loads with --middleware: the key on every route, requests' transfer
+# parameters and channels checked before vLLM sees them, /hsx/info.
+MIDDLEWARE = "hsx.serve.guard.ServeGuard"
+# The server's key (server.api_key) in vLLM's environment form, read by vLLM's own check of /v1
+# (0.26 and 0.3x alike) and by hsx's guard, which holds every route to it.
 API_KEY_ENV = "VLLM_API_KEY"
 # A client's channel folder: created by the client under one of these, with this prefix. The
 # server opens nothing else (a request names the folder it writes into).
 CHANNEL_PREFIX = "hsx-channel-"
+# The folder's name: what tempfile.mkdtemp makes after the prefix (no control characters, no
+# separators, nothing a log line could be forged with).
+CHANNEL_NAME = re.compile(re.escape(CHANNEL_PREFIX) + r"[A-Za-z0-9_.-]{1,200}")
+MAX_CHANNEL_CHARACTERS = 1024
 # A ring of at most 1 TiB (64 KiB granules): a request cannot make the server map more.
 MAX_GRANULES = 1 << 24
 
@@ -51,7 +71,8 @@ def shm_folder() -> str:
 
 def channel_parents() -> tuple[str, ...]:
     """Where channel folders may live: /dev/shm (memory) and the temporary folder (no shm)."""
-    return tuple({"/dev/shm", os.path.realpath(tempfile.gettempdir())})
+    temporary = tempfile.gettempdir()
+    return tuple(sorted({"/dev/shm", temporary, os.path.realpath(temporary)}))
 
 
 # What a client compares with its own plan before any work, and what each value is called.
@@ -63,46 +84,141 @@ IDENTITY_FIELDS = {
 }
 
 
-@dataclass(frozen=True)
-class ChannelRequest:
-    """Where one request's rows go: a client's ring folder, its size, and the client's key."""
+class RequestParamsError(ValueError):
+    """A request's kv_transfer_params that the schema refuses: the request fails (HTTP 400 with
+    this message), never the engine."""
+
+
+class _Strict(BaseModel):
+    # Strict: no coercion (a float, a bool or a string is not a ring size), unknown keys refused.
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    FIELD: ClassVar[str] = TRANSFER_FIELD
+
+    @classmethod
+    def parse(cls, value: Any) -> Any:
+        """The validated parameters, or RequestParamsError naming the first problem's field,
+        what was expected and what was found (escaped and cut: it reaches logs)."""
+        try:
+            return cls.model_validate(value)
+        except ValidationError as exc:
+            raise RequestParamsError(_problem(cls, exc)) from None
+
+
+class ChannelRequest(_Strict):
+    """Where one request's rows go: a client's ring folder, its size, the request's key, and
+    the secret its client wrote into the folder (the channel is that client's alone)."""
+
+    FIELD: ClassVar[str] = f"{TRANSFER_FIELD}.{PARAMS_KEY}"
 
     channel: str
     granules: int
     key: str
+    secret: str
+
+    @field_validator("channel")
+    @classmethod
+    def _a_channel_folder(cls, channel: str) -> str:
+        parents = channel_parents()
+        parent, name = os.path.split(channel)
+        if (
+            len(channel) > MAX_CHANNEL_CHARACTERS
+            or not CHANNEL_NAME.fullmatch(name)
+            or parent not in parents
+            or os.path.normpath(channel) != channel
+        ):
+            raise ValueError(
+                f"expected a folder {CHANNEL_PREFIX}* (letters, digits, _.-) in one of "
+                f"{list(parents)}, found {shown(channel)}"
+            )
+        return channel
+
+    @field_validator("granules")
+    @classmethod
+    def _a_ring_size(cls, granules: int) -> int:
+        if not 0 < granules <= MAX_GRANULES:
+            raise ValueError(f"expected 1..{MAX_GRANULES}, found {granules}")
+        return granules
+
+    @field_validator("key")
+    @classmethod
+    def _a_plain_key(cls, key: str) -> str:
+        problem = key_problem(key)
+        if problem is not None:
+            raise ValueError(problem)
+        return key
+
+    @field_validator("secret")
+    @classmethod
+    def _a_secret(cls, secret: str) -> str:
+        if not SECRET_PATTERN.fullmatch(secret):
+            raise ValueError(
+                f"expected the 64 hex digits its client wrote in the channel, found "
+                f"{len(secret)} characters"  # never the value: it may be near a real secret
+            )
+        return secret
 
     @classmethod
     def from_params(cls, params: Any) -> ChannelRequest:
-        if not isinstance(params, dict):
-            raise ValueError(f"kv_transfer_params.hsx: expected an object, found {params!r}")
-        try:
-            request = cls(str(params["channel"]), int(params["granules"]), str(params["key"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(
-                "kv_transfer_params.hsx: expected channel, granules and key, found "
-                f"{sorted(params)}: {exc!r}"
-            ) from exc
-        check_key(request.key)
-        if not 0 < request.granules <= MAX_GRANULES:
-            raise ValueError(
-                f"kv_transfer_params.hsx.granules: expected 1..{MAX_GRANULES}, found "
-                f"{request.granules}"
-            )
-        folder = Path(request.channel)
-        if (
-            not folder.is_absolute()
-            or os.path.normpath(request.channel) != request.channel
-            or not folder.name.startswith(CHANNEL_PREFIX)
-            or os.path.realpath(folder.parent) not in channel_parents()
-        ):
-            raise ValueError(
-                f"kv_transfer_params.hsx.channel: expected a folder {CHANNEL_PREFIX}* in one of "
-                f"{list(channel_parents())}, found {request.channel!r}"
-            )
-        return request
+        """kv_transfer_params.hsx, validated (RequestParamsError, a ValueError, otherwise)."""
+        return cls.parse(params)  # type: ignore[no-any-return]
 
     def to_params(self) -> dict[str, Any]:
-        return {PARAMS_KEY: {"channel": self.channel, "granules": self.granules, "key": self.key}}
+        return {PARAMS_KEY: self.model_dump()}
+
+
+class TransferParams(_Strict):
+    """A request's whole kv_transfer_params: hsx's channel and the encoding of its rows."""
+
+    hsx: ChannelRequest | None = None
+    hsx_state_encoding: str | None = None
+
+    @field_validator("hsx_state_encoding")
+    @classmethod
+    def _a_known_encoding(cls, encoding: str | None) -> str | None:
+        if encoding is not None and encoding != FP8_ENCODING:
+            raise ValueError(f"expected {FP8_ENCODING!r} or none, found {shown(encoding)}")
+        return encoding
+
+    @classmethod
+    def of(cls, value: Any) -> TransferParams:
+        """A request's kv_transfer_params (None: none) validated, or RequestParamsError."""
+        return cls.parse({} if value is None else value)  # type: ignore[no-any-return]
+
+
+def _problem(model: type[_Strict], exc: ValidationError) -> str:
+    """The first of a ValidationError's problems as 'FIELD: expected X, found Y'."""
+    errors = exc.errors(include_url=False)
+    error = errors[0]
+    path = [model.FIELD, *(str(part) for part in error["loc"])]
+    kind = error["type"]
+    found = error.get("input")
+    if kind == "extra_forbidden":
+        owner = _model_at(model, path[1:-1])
+        what = f"{'.'.join(path[:-1])}: expected only {sorted(owner.model_fields)}, found {shown(path[-1])}"
+    elif kind == "missing":
+        owner = _model_at(model, path[1:-1])
+        given = sorted(map(str, found)) if isinstance(found, dict) else found
+        what = (
+            f"{'.'.join(path[:-1])}: expected {sorted(owner.model_fields)}, found "
+            f"{shown(given)} (no {path[-1]})"
+        )
+    elif kind == "value_error":
+        what = f"{'.'.join(path)}: {error['ctx']['error']}"
+    elif kind in ("model_type", "dict_type", "model_attributes_type"):
+        what = f"{'.'.join(path)}: expected an object, found {shown(found)}"
+    else:
+        expected = str(error["msg"]).removeprefix("Input should be ")
+        what = f"{'.'.join(path)}: expected {expected}, found {shown(found)}"
+    return what + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+
+
+def _model_at(model: type[_Strict], path: list[str]) -> type[_Strict]:
+    """The model of a nested field (TransferParams.hsx: ChannelRequest)."""
+    for name in path:
+        annotation = model.model_fields[name].annotation
+        nested = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)]
+        model = next(a for a in nested if issubclass(a, _Strict))
+    return model
 
 
 def prompt_digest(token_ids: Sequence[int] | np.ndarray) -> str:
@@ -140,7 +256,7 @@ def identity_problems(served: dict[str, Any], expected: dict[str, Any], url: str
     return problems
 
 
-def _served_info() -> bytes:
+def served_info() -> bytes:
     """The document `hsx serve` keeps beside the server (read per request: it is rewritten once
     the server is ready, with the load time)."""
     path = os.environ.get(SERVER_INFO_ENV)
@@ -157,21 +273,17 @@ def authorization_header(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def key_accepted(header: str | None) -> bool:
-    """Whether a request's Authorization header carries this server's key (or it has none)."""
-    key = os.environ.get(API_KEY_ENV, "")
+def key_accepted(header: str | None, key: str | None = None) -> bool:
+    """Whether a request's Authorization header carries the server's key (``key``, by default
+    this process's API_KEY_ENV), or the server has none. Digests are compared, in constant
+    time: neither the key's length nor its first differing byte shows in the time taken."""
+    key = os.environ.get(API_KEY_ENV, "") if key is None else key
     if not key:
         return True
-    return hmac.compare_digest((header or "").encode(), f"Bearer {key}".encode())
-
-
-async def info_middleware(request: Any, call_next: Any) -> Any:
-    """vLLM ``--middleware``: answers ``GET /hsx/info`` (401 without the server's key, as vLLM
-    answers /v1), passes everything else on."""
-    if request.url.path == INFO_PATH:
-        from starlette.responses import JSONResponse, Response
-
-        if not key_accepted(request.headers.get("Authorization")):
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        return Response(_served_info(), media_type="application/json")
-    return await call_next(request)
+    scheme, _, given = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(
+        hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(),
+        hashlib.sha256(key.encode()).digest(),
+    )

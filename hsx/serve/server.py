@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,6 +41,7 @@ from hsx.engine.server_process import (
 )
 from hsx.engine.server_protocol import (
     API_KEY_ENV,
+    CHANNEL_GIDS_ENV,
     MIDDLEWARE,
     SERVER_INFO_ENV,
     SERVER_INSTANCE_ENV,
@@ -52,6 +54,7 @@ from hsx.plan.building import code_version, config_hash, vllm_version
 from hsx.plan.frozen_inputs import weights_fingerprint
 from hsx.preflight.report import CheckResult, PreflightReport, Status
 from settings import ServeSettings
+from settings.serve import RESERVED_VLLM_FLAGS
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ class ServerPlan:
     env: dict[str, str]  # set for the server's processes, over this process's environment
     info: dict[str, Any]  # /hsx/info, before the start fields (instance, pids, times)
     kwargs: dict[str, Any]  # the engine arguments the flags stand for
+    extra_arguments: tuple[str, ...] = ()  # server.vllm_args, the last of the arguments
 
     @property
     def url(self) -> str:
@@ -143,6 +147,8 @@ def plan_server(
         *server.vllm_args,
     ]
     env = {
+        # The guard in the API server checks channels against the same owners as the engine.
+        CHANNEL_GIDS_ENV: ",".join(str(g) for g in group_ids(server.channel_groups)),
         # The engine core is a process of its own under `vllm serve`: spawned, as hsx does
         # everywhere (a fork of a threaded process can copy held locks).
         "VLLM_WORKER_MULTIPROC_METHOD": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn"),
@@ -170,7 +176,7 @@ def plan_server(
         "engine": engine.model_dump(mode="json"),
         "vllm_arguments": arguments,
     }
-    return ServerPlan(arguments, env, info, kwargs)
+    return ServerPlan(arguments, env, info, kwargs, tuple(server.vllm_args))
 
 
 def group_ids(groups: Sequence[str]) -> list[int]:
@@ -204,15 +210,71 @@ def vllm_argument_problems(plan: ServerPlan) -> list[str]:
     except ImportError as exc:
         return [f"vllm serve's parser: expected vllm.entrypoints.cli.serve, found {exc!r}"]
     parser = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    subparsers = parser.add_subparsers(dest="subparser")
+    ServeSubcommand().subparser_init(subparsers)
     refusal = io.StringIO()
     try:
-        with contextlib.redirect_stderr(refusal):
+        with contextlib.redirect_stderr(refusal), contextlib.redirect_stdout(refusal):
             parsed = parser.parse_args(["serve", *plan.arguments])
-    except SystemExit:
-        found = refusal.getvalue().strip().splitlines()[-1:] or ["no message"]
-        return [f"vllm serve refuses hsx's arguments: {found[0]}"]
-    return _read_back_problems(parsed, plan)
+    except (SystemExit, ValueError) as exc:
+        return [f"vllm serve refuses hsx's arguments: {_parser_refusal(refusal.getvalue(), exc)}"]
+    reserved = reserved_flag_problems(subparsers.choices["serve"], list(plan.extra_arguments))
+    return reserved + _read_back_problems(parsed, plan)
+
+
+def _parser_refusal(output: str, exc: BaseException) -> str:
+    """argparse's reason for refusing (from its "error:" line on), else the exception's."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    errors = [i for i, line in enumerate(lines) if "error:" in line]
+    if errors:
+        return " ".join(lines[errors[-1] :])[:500]
+    return (lines[-1] if lines else str(exc) or type(exc).__name__)[:500]
+
+
+class _Unset(list[Any]):
+    """What an option hsx sets holds before server.vllm_args are parsed: a list, so that an
+    append action (--middleware) appends to a copy, whose identity then differs too."""
+
+
+def reserved_flag_problems(serve_parser: argparse.ArgumentParser, extra: list[str]) -> list[str]:
+    """server.vllm_args parsed by vLLM's own `vllm serve` parser, as its server will parse
+    them: each option hsx sets itself that they set, however spelled (an abbreviation argparse
+    completes, ``--api_key``, ``-tp``, ``--kv-transfer-config.x``, a positional model). The
+    settings refuse the spellings they know; this catches the rest, before the load."""
+    if not extra:
+        return []
+    actions = {
+        option: action
+        for action in serve_parser._actions  # argparse keeps its actions there
+        for option in action.option_strings
+    }
+    reserved = {actions[flag].dest: flag for flag in RESERVED_VLLM_FLAGS if flag in actions}
+    unset = {dest: _Unset() for dest in reserved}
+    # A positional (the model) takes its default whenever it is absent: compared with that.
+    positionals = [action for action in serve_parser._actions if not action.option_strings]
+    namespace = argparse.Namespace(**unset)
+    refusal = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(refusal), contextlib.redirect_stdout(refusal):
+            serve_parser.parse_args(extra, namespace)
+    except (SystemExit, ValueError) as exc:
+        said = _parser_refusal(refusal.getvalue(), exc)
+        return [f"server.vllm_args {shlex.join(extra)!r}: vllm serve refuses them: {said}"]
+    taken = sorted(
+        flag for dest, flag in reserved.items() if getattr(namespace, dest) is not unset[dest]
+    )
+    taken += [
+        f"{action.dest.upper()} (positional)"
+        for action in positionals
+        if getattr(namespace, action.dest, action.default) != action.default
+    ]
+    if not taken:
+        return []
+    return [
+        f"server.vllm_args {shlex.join(extra)!r}: expected flags hsx does not set itself, "
+        f"found them setting {taken} (vLLM's parser completes abbreviations and other "
+        "spellings; set these through hsx's own settings, which /hsx/info reports)"
+    ]
 
 
 def _read_back_problems(parsed: argparse.Namespace, plan: ServerPlan) -> list[str]:
@@ -236,7 +298,8 @@ def _read_back_problems(parsed: argparse.Namespace, plan: ServerPlan) -> list[st
     if MIDDLEWARE not in (getattr(parsed, "middleware", None) or []):
         problems.append(
             f"vllm serve reads --middleware as {getattr(parsed, 'middleware', None)!r}, "
-            f"expected it to load {MIDDLEWARE} (GET /hsx/info, what clients check)"
+            f"expected it to load {MIDDLEWARE} (the key on every route, requests checked, "
+            "GET /hsx/info)"
         )
     return problems
 
@@ -400,7 +463,15 @@ def serve(plan: ServerPlan, settings: ServeSettings, say: Callable[[str], None])
             time.sleep(0.5)
         if stopping:
             stop_server_process(child)
-        return _exit_code(child, say)
+            return _exit_code(child, say)
+        # Nobody asked it to stop: its engine died (vLLM's server then exits 0) or it was
+        # killed. A failure whatever its code, so that systemd or compose restart it.
+        code = _exit_code(child, say)
+        say(
+            f"hsx serve: the server ended without being asked to stop: exiting "
+            f"{code or 1} (a failure: systemd and compose start it again)"
+        )
+        return code or 1
     finally:
         if child.poll() is None:
             stop_server_process(child)

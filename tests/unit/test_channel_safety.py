@@ -22,6 +22,7 @@ from tests.conftest import missing_component
 CAPACITY = 4 << 16  # four granules
 NOBODY = 65534
 VICTIM_TEXT = b"precious contents\n"
+SECRET = "0" * 64
 
 
 @pytest.fixture
@@ -133,17 +134,19 @@ def test_a_link_planted_under_a_spool_name_is_replaced_not_written_through(
 def test_a_key_that_is_not_a_plain_name_is_refused(key: str) -> None:
     folder = f"{shm_folder()}/{CHANNEL_PREFIX}x"
     with pytest.raises(ValueError, match=r"kv_transfer_params\.hsx\.key: expected letters"):
-        ChannelRequest.from_params({"channel": folder, "granules": 4, "key": key})
+        ChannelRequest.from_params({"channel": folder, "granules": 4, "key": key, "secret": SECRET})
 
 
 def test_a_channel_path_that_is_not_normal_or_a_huge_ring_is_refused() -> None:
     parent = shm_folder()
     for bad in (f"{parent}/{CHANNEL_PREFIX}x/../{CHANNEL_PREFIX}y", f"{parent}//{CHANNEL_PREFIX}x"):
         with pytest.raises(ValueError, match="expected a folder hsx-channel-"):
-            ChannelRequest.from_params({"channel": bad, "granules": 4, "key": "k"})
+            ChannelRequest.from_params(
+                {"channel": bad, "granules": 4, "key": "k", "secret": SECRET}
+            )
     with pytest.raises(ValueError, match=r"granules: expected 1\.\.16777216, found 0"):
         ChannelRequest.from_params(
-            {"channel": f"{parent}/{CHANNEL_PREFIX}x", "granules": 0, "key": "k"}
+            {"channel": f"{parent}/{CHANNEL_PREFIX}x", "granules": 0, "key": "k", "secret": SECRET}
         )
 
 

@@ -98,7 +98,9 @@ def test_a_request_names_only_a_channel_folder_of_a_client() -> None:
     """The server writes into the folder a request names: only hsx channel folders in shared
     memory (or the temporary folder) are taken, never another path."""
     good = f"{shm_folder()}/{CHANNEL_PREFIX}abc"
-    assert ChannelRequest.from_params({"channel": good, "granules": 4, "key": "k"}).channel == good
+    secret = "0" * 64
+    params = {"channel": good, "granules": 4, "key": "k", "secret": secret}
+    assert ChannelRequest.from_params(params).channel == good
     for bad in (
         "/etc",
         f"{shm_folder()}/other-abc",
@@ -106,8 +108,10 @@ def test_a_request_names_only_a_channel_folder_of_a_client() -> None:
         f"relative/{CHANNEL_PREFIX}x",
     ):
         with pytest.raises(ValueError, match="expected a folder hsx-channel-"):
-            ChannelRequest.from_params({"channel": bad, "granules": 4, "key": "k"})
-    with pytest.raises(ValueError, match=r"expected channel, granules and key, found \['key'\]"):
+            ChannelRequest.from_params({**params, "channel": bad})
+    with pytest.raises(
+        ValueError, match=r"expected \['channel', 'granules', 'key', 'secret'\], fo"
+    ):
         ChannelRequest.from_params({"key": "k"})
 
 

@@ -102,7 +102,8 @@ class ServeProcess:
 
     def metric(self, name: str) -> float:
         """A counter of vLLM's /metrics (summed over its labels)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(f"{self.url}/metrics", timeout=10, headers=headers).text
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()

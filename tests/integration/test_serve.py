@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -356,63 +353,6 @@ def _complete(server: ServeProcess, key: str | None, **extra: Any) -> httpx.Resp
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": server.model.name, "prompt": [list(range(5, 13))], "max_tokens": 1, **extra}
     return httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
-
-
-def test_a_request_cannot_make_the_server_write_outside_a_client_channel(
-    llama_server: ServeProcess, tmp_path: Path
-) -> None:
-    """The attack of issue 30: a channel whose ready.fifo links to a file the server may
-    write, and keys that name other folders. Each request is computed (HTTP 200) and nothing is
-    written outside a client's own channel; without the key nothing is served at all."""
-    from hsx.engine.result_ring import READY_FIFO, RING_FILE
-    from hsx.engine.results import ResultRendezvous
-    from hsx.engine.server_protocol import CHANNEL_PREFIX, shm_folder
-
-    llama_server.ensure_up()
-    assert _complete(llama_server, None).status_code == 401
-    assert _complete(llama_server, "wrong").status_code == 401
-    assert httpx.get(f"{llama_server.url}/hsx/info", timeout=10).status_code == 401
-    assert httpx.get(f"{llama_server.url}/health", timeout=10).status_code == 200
-
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious\n")
-    tag = uuid.uuid4().hex[:8]
-    linked = Path(shm_folder()) / f"{CHANNEL_PREFIX}evil-{tag}"
-    honest = Path(shm_folder()) / f"{CHANNEL_PREFIX}honest-{tag}"
-    escape = Path(tempfile.gettempdir()) / f"evil-{tag}"
-    linked.mkdir(mode=0o700)
-    honest.mkdir(mode=0o700)
-    rings = [
-        ResultRendezvous(lambda k, n, r: r, spool_dir=str(f), ring_bytes=1 << 16)
-        for f in (linked, honest)
-    ]
-    try:
-        (linked / READY_FIFO).unlink()
-        (linked / READY_FIFO).symlink_to(victim)
-        attacks = {
-            "linked fifo": {"channel": str(linked), "granules": 1, "key": "k1"},
-            "key with ..": {"channel": str(honest), "granules": 1, "key": f"../../tmp/evil-{tag}"},
-            "absolute key": {"channel": str(honest), "granules": 1, "key": str(escape)},
-        }
-        for what, params in attacks.items():
-            answer = _complete(llama_server, SERVE_KEY, kv_transfer_params={"hsx": params})
-            assert answer.status_code == 200, (what, answer.text)
-        assert victim.read_text() == "precious\n"
-        assert not list(escape.parent.glob(f"evil-{tag}*")), "a key escaped its channel"
-        assert sorted(p.name for p in honest.iterdir()) == sorted([RING_FILE, READY_FIFO])
-        log = llama_server.log()
-        assert f"hsx channel {linked} cannot be opened" in log and "not a link" in log, log[-3000:]
-        assert log.count("kv_transfer_params.hsx.key: expected letters") >= 2, log[-3000:]
-        # Access logs are off; the key is in no log line and on no command line.
-        assert '"POST /v1/completions HTTP/1.1"' not in log
-        assert SERVE_KEY not in log and SERVE_KEY not in json.dumps(llama_server.info())
-        server_pid = int(llama_server.info()["server_pid"])
-        assert SERVE_KEY.encode() not in Path(f"/proc/{server_pid}/cmdline").read_bytes()
-    finally:
-        for ring in rings:
-            ring.close()
-        for folder in (linked, honest):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _kill_mid_chunk(server: ServeProcess, store: str, after: int, restart: bool) -> dict[str, Any]:

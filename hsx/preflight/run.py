@@ -132,7 +132,7 @@ def static_checks(
         else require_weights
     )
     from hsx.preflight.contract import capture_id_range, check_capture_contract, check_tokenizer
-    from hsx.preflight.resolve import check_resolution, resolve_architecture
+    from hsx.preflight.resolve import check_resolution, resolve_architecture, resolve_text_model
     from hsx.preflight.resources import check_resources
     from hsx.preflight.signatures import check_signatures, default_call_sites
     from hsx.preflight.weights import check_weights
@@ -148,8 +148,13 @@ def static_checks(
     resolution = _guarded("resolve", lambda: check_resolution(config))
     results.append(resolution)
     if resolution.status == Status.FAIL:
-        return results, context
-    resolved = resolve_architecture(config)
+        # A wrapper that cannot be built here still has its text model's layers checked.
+        text_model = resolve_text_model(config)
+        if text_model is None:
+            return results, context
+        resolved = text_model
+    else:
+        resolved = resolve_architecture(config)
     context["resolved"] = resolved
     num_layers = int(text["num_hidden_layers"])
 
@@ -160,6 +165,14 @@ def static_checks(
         return check_capture_contract(resolved, config, ids)
 
     results.append(_guarded("contract", contract))
+
+    def family() -> CheckResult:
+        from hsx.engine.options import cuda_available
+        from hsx.preflight.contract import check_family
+
+        return check_family(config, on_gpu=cuda_available())
+
+    results.append(_guarded("family", family))
     results.append(_guarded("tokenizer", lambda: check_tokenizer(model_dir)))
 
     def engine_options() -> CheckResult:
@@ -231,6 +244,7 @@ def probe_check(context: dict[str, Any], engine: EngineSettings) -> CheckResult:
             context["layer_ids"],
             context["lowest_layer_id"],
             engine,
+            language_architecture=context["resolved"].language_architecture,
         ),
     )
 
@@ -261,7 +275,8 @@ def probe_unless_blocked(
     blocking = [
         r
         for r in results
-        if r.status == Status.FAIL and r.check in ("config", "resolve", "contract", "engine")
+        if r.status == Status.FAIL
+        and r.check in ("config", "resolve", "contract", "family", "engine")
     ]
     if blocking:
         return CheckResult("probe", Status.FAIL, f"not run: {blocking[0].check} failed")

@@ -121,6 +121,18 @@ def test_an_irregular_pattern_keeps_one_layer_of_each_kind() -> None:
         ).pick_layers(2)
 
 
+def test_kv_and_state_bytes_of_a_hybrid() -> None:
+    """Qwen3-Next: 12 full-attention layers of 2 KV heads x 256 per token (bf16), plus the
+    captured states; 36 Gated DeltaNet layers keep a state per sequence instead."""
+    from hsx.engine.options import kv_bytes_per_token, linear_state_bytes
+
+    config = load("qwen3-next-80b-a3b")
+    assert kv_bytes_per_token(config, "bfloat16", 4) == (12 * 2 * 2 * 256 + 4 * 2048) * 2
+    conv = 3 * (2 * 16 * 128 + 32 * 128)
+    assert linear_state_bytes(config, "bfloat16") == 36 * (conv + 32 * 128 * 128) * 2
+    assert linear_state_bytes(load("gpt-oss-20b"), "bfloat16") == 0
+
+
 def test_parity_notes_name_what_is_unchecked() -> None:
     gpt_oss, qwen_next = load("gpt-oss-20b"), load("qwen3-next-80b-a3b")
     assert "warning" not in parity_note(gpt_oss, probe_ran=False, on_gpu=False)
@@ -198,6 +210,9 @@ def test_static_preflight_on_every_real_config(name: str) -> None:
     # Bytes a token of the store takes: K states of H in bf16, plus its id and mask.
     k = len(default_layer_ids(layers))
     assert any(f"{k * hidden * 2 + 5:,} B/token" in d for d in checks["resources"].details)
+    if layer_structure(text).linear_attention_layers():
+        # A hybrid's memory: attention KV per token, Gated DeltaNet state per sequence.
+        assert any("linear-attention state" in d for d in checks["engine"].details)
     assert seconds < 60, f"static preflight of {name} took {seconds:.1f} s"
 
 
@@ -217,3 +232,41 @@ def test_layer_ids_beyond_the_layer_count_fail_for_every_family() -> None:
             name,
             contract.summary,
         )
+
+
+def test_a_run_without_preflight_on_an_unchecked_family_says_so(tmp_path: Path) -> None:
+    """Preflight off (HSX_RUN__PREFLIGHT=false) on a family whose parity is not established:
+    the run record carries the warning, and `hsx info`'s line for the run shows it; a family
+    established on the CPU build carries none."""
+    import uuid
+
+    from flows.store_cli import _family_line, _run_line
+    from hsx.store.run_records import RunAttempt, record_attempt, records_beside
+    from settings import HsxSettings
+
+    def run_on(config: dict[str, Any], preflight: bool) -> dict[str, Any]:
+        model = tmp_path / uuid.uuid4().hex
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(config))
+        dataset = tmp_path / "data.jsonl"
+        dataset.write_text("")
+        store = f"memory://hsx-{uuid.uuid4().hex}/s.zarr"
+        settings = HsxSettings(
+            model=model, dataset=dataset, store=store, run={"preflight": preflight}
+        )
+        record_attempt(settings, RunAttempt("r1", 1, 0.0), "failed", {"failed_in": "plan"})
+        [record] = records_beside(store)
+        return record
+
+    qwen_next = run_on(load("qwen3-next-80b-a3b"), preflight=False)
+    assert "not established for qwen3-next" in qwen_next["parity"]["warning"]
+    assert "WARNING: parity with HF transformers is not established" in _run_line(qwen_next)
+    assert "warning" not in run_on(load("qwen3-next-80b-a3b"), preflight=True)["parity"]
+    unknown = run_on(
+        {**load("mistral-7b-v0.3"), "architectures": ["Foo"], "model_type": "foo"}, preflight=False
+    )
+    assert unknown["parity"]["family"] is None and "['Foo']" in unknown["parity"]["warning"]
+    established = run_on(load("gpt-oss-20b"), preflight=False)
+    assert "warning" not in established["parity"] and "WARNING" not in _run_line(established)
+    line = _family_line({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"})
+    assert line.startswith("family gpt-oss: CPU parity with HF established (tiny gpt-oss")

@@ -30,6 +30,9 @@ def by_check(report: object) -> dict[str, object]:
         ("kimi-k2", "DeepseekV2Model", "(2, 30, 58, 61)"),
         ("deepseek-v3", "DeepseekV2Model", "(2, 30, 58, 61)"),
         ("llama-3.1-8b", "LlamaModel", "(2, 16, 29, 32)"),
+        # Attention sinks, alternating sliding window, MoE: its reduced copy keeps 5 of the 24
+        # layer_types (issue 43: 8 kept for 5 layers, and HF's config refused itself).
+        ("gpt-oss-20b", "GptOssModel", "(2, 12, 21, 24)"),
     ],
 )
 def test_public_configs_resolve_and_probe(fixture: str, chain_end: str, ids: str) -> None:

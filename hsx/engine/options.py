@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsx.engine.capture_models import needs_hsx_capture
 from hsx.errors import ConfigError
 from hsx.model.config import read_config, text_config
 from hsx.model.layer_structure import layer_structure
@@ -186,7 +187,9 @@ def engine_kwargs(
         "max_num_batched_tokens": max(engine.max_num_batched_tokens, max_model_len),
         "max_num_seqs": engine.max_num_seqs,
         "tensor_parallel_size": engine.tensor_parallel_size,
-        "enforce_eager": engine.enforce_eager,
+        # hsx's own capture hooks (hsx.engine.capture_models) run eagerly.
+        "enforce_eager": engine.enforce_eager
+        or needs_hsx_capture(config.get("architectures") or []),
         "seed": engine.seed,
         "load_format": engine.load_format,
         "speculative_config": {

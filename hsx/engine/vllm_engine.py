@@ -29,6 +29,7 @@ import torch
 from hsx import timings
 from hsx.engine import connector as hsx_connector
 from hsx.engine.capture_checks import CapturedDataError, check_token_ids
+from hsx.engine.capture_models import register_capture_classes
 from hsx.engine.core_watch import watch_engine_core
 from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
@@ -130,6 +131,7 @@ class VllmHiddenStateEngine:
             ring_granules=ring_granules(ring_bytes) if ring_bytes else 0,
         )
         self.attention_backend = kwargs.get("attention_backend")
+        self._architectures = list(config.get("architectures") or [])
         # Set for the engine's processes only (they copy the environment when they start):
         # left set, it would bind a later one-rank engine of this process to one rank's CPUs.
         bind_set_here = False
@@ -208,6 +210,9 @@ class VllmHiddenStateEngine:
             request_amx()
             from vllm import LLM
 
+            # Architectures vLLM cannot hand aux states for get hsx's hooks (hsx.engine.
+            # capture_models), registered where the engine is built: this process.
+            register_capture_classes(self._architectures)
             self._llm = LLM(**kwargs)
         except BaseException as exc:
             self._failure = exc

@@ -140,10 +140,19 @@ def _hybrid_refusal(
 
 
 def check_capture_contract(
-    resolved: ResolvedArchitecture, config: Mapping[str, Any], layer_ids: Sequence[int]
+    resolved: ResolvedArchitecture,
+    config: Mapping[str, Any],
+    layer_ids: Sequence[int],
+    hsx_capture_here: str | None = None,
 ) -> CheckResult:
-    """EAGLE-3 interface present, layer ids (vLLM convention) unique and in range."""
+    """EAGLE-3 interface present (vLLM's, or hsx's own hooks for the architectures of
+    hsx.engine.capture_models), layer ids (vLLM convention) unique and in range.
+
+    ``hsx_capture_here``: None where hsx's hooks can be installed in the engine (built in this
+    process), else why they cannot (they are registered in the process that builds it)."""
     from vllm.model_executor.models.interfaces import supports_eagle3
+
+    from hsx.engine.capture_models import needs_hsx_capture
 
     name = resolved.class_name
     version = _vllm_version()
@@ -152,7 +161,16 @@ def check_capture_contract(
             return CheckResult(
                 "contract", Status.FAIL, f"{arch} is known broken with vLLM {version}: {why}"
             )
-    if not supports_eagle3(resolved.model_cls):
+    captured_by_hsx = needs_hsx_capture([resolved.architecture])
+    if captured_by_hsx and hsx_capture_here is not None:
+        return CheckResult(
+            "contract",
+            Status.FAIL,
+            f"{name} lacks vLLM's EAGLE-3 interface and is captured by hsx's own hooks, which "
+            f"are installed where the engine is built: expected an engine in this process, "
+            f"found {hsx_capture_here}",
+        )
+    if not captured_by_hsx and not supports_eagle3(resolved.model_cls):
         return CheckResult(
             "contract",
             Status.FAIL,
@@ -210,11 +228,17 @@ def check_capture_contract(
     if list(ids) != sorted(ids):
         # why: vLLM sorts aux layers; hsx must store them in the order the engine returns them.
         details.append(f"ids will be captured in ascending order {sorted(ids)}, not as given")
+    how = "supports EAGLE-3 capture"
+    if captured_by_hsx:
+        how = "is captured by hsx's hooks (vLLM's class lacks EAGLE-3's interface)"
+        details.append(
+            "hsx.engine.capture_models: pre-hooks on the decoder layers and the final norm "
+            "collect hidden_states + residual, as vLLM's own EAGLE-3 models do; eager mode"
+        )
     return CheckResult(
         "contract",
         Status.PASS,
-        f"{name} supports EAGLE-3 capture; layer ids {tuple(ids)} valid in "
-        f"{span.low}..{span.high} (vLLM convention)",
+        f"{name} {how}; layer ids {tuple(ids)} valid in {span.low}..{span.high} (vLLM convention)",
         tuple(details),
     )
 

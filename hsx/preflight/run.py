@@ -162,7 +162,21 @@ def static_checks(
         ids = capture_layer_ids(capture, num_layers)
         context["layer_ids"] = ids
         context["lowest_layer_id"] = capture_id_range(resolved, num_layers).low
-        return check_capture_contract(resolved, config, ids)
+        elsewhere = [
+            what
+            for what, where in (
+                ("engine.url (hsx serve servers)", not local_engine),
+                ("engine.in_process false (a child process)", not engine.in_process),
+                (
+                    f"tensor_parallel_size {engine.tensor_parallel_size} (worker processes)",
+                    engine.tensor_parallel_size > 1,
+                ),
+            )
+            if where
+        ]
+        return check_capture_contract(
+            resolved, config, ids, ", ".join(elsewhere) if elsewhere else None
+        )
 
     results.append(_guarded("contract", contract))
 

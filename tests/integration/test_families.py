@@ -4,6 +4,9 @@ engine step and then all six in one batch, on one engine per family; each state 
 transformers' float32 state within 1e-4 (the bound of test_capture_matches_hf.py). The prompts
 (33 to 130 tokens) cross the 32-token sliding windows and Llama-4's 128-token attention chunks.
 
+Mixtral, GLM-4 MoE and Gemma-3, whose vLLM classes lack the EAGLE-3 interface, go through hsx's
+own hooks (hsx.engine.capture_models) and are held to the same bound (Gemma-3's states reach 33:
+there HF's own float32 rounding against float64, doubled, is the bound where it exceeds 1e-4).
 The families vLLM's CPU build cannot capture correctly are refused by preflight in seconds, on
 their tiny models, naming the reason, before any engine is built."""
 
@@ -31,12 +34,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPTS = 6
 BOUND = 1e-4
 ON_CPU = ("mistral", "qwen3", "qwen3-moe", "gpt-oss", "llama4")
+# vLLM's classes lack the EAGLE-3 interface: hsx's own hooks capture them.
+BY_HSX_HOOKS = ("mixtral", "glm4-moe", "gemma3")
 # family -> what preflight's refusal names
 REFUSED = {
     "qwen3-next": "hybrid model (3 of its 4 layers linear attention)",
-    "gemma3": "does not implement vLLM's EAGLE-3",
-    "mixtral": "does not implement vLLM's EAGLE-3",
-    "glm4-moe": "does not implement vLLM's EAGLE-3",
     "minimax-m2": "CPU MoE router takes sigmoid scoring only with grouped top-k",
 }
 
@@ -65,7 +67,7 @@ def _worst_per_id(states: list[torch.Tensor], references: list[torch.Tensor]) ->
     ]
 
 
-@pytest.mark.parametrize("family", ON_CPU)
+@pytest.mark.parametrize("family", ON_CPU + BY_HSX_HOOKS)
 def test_every_layer_equals_hf_one_prompt_per_step_and_all_in_one_batch(
     family: str, family_root: Path
 ) -> None:
@@ -93,8 +95,15 @@ def test_every_layer_equals_hf_one_prompt_per_step_and_all_in_one_batch(
     print(
         f"{family}: max abs diff per id {layer_ids}: alone {worst_alone}, batched {worst_batched}"
     )
-    assert max(worst_alone) < BOUND, worst_alone
-    assert max(worst_batched) < BOUND, worst_batched
+    bounds = [BOUND] * len(layer_ids)
+    if max(worst_alone + worst_batched) >= BOUND:
+        # Large states (Gemma scales its embeddings by sqrt(hidden): values up to 33): HF's own
+        # float32 rounding, against float64, bounds the difference instead.
+        exact = hf_hidden_states(load_hf_model(model, torch.float64), prompts, layer_ids)
+        bounds = [max(BOUND, 2 * x) for x in _worst_per_id(references, exact)]
+        print(f"{family}: bounds per id from HF float32 vs float64: {bounds}")
+    assert all(w < b for w, b in zip(worst_alone, bounds, strict=True)), (worst_alone, bounds)
+    assert all(w < b for w, b in zip(worst_batched, bounds, strict=True)), (worst_batched, bounds)
     [entry] = [f for f in FAMILIES if f.name == family]
     assert entry.cpu_parity.status == "established"
 

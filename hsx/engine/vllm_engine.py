@@ -37,6 +37,7 @@ from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
 from hsx.engine.results import ResultRendezvous
 from hsx.engine.server_protocol import ENCODING_PARAM
 from hsx.engine.shm_folders import make_owned_folder
+from hsx.engine.vllm_compat import unscannable_module_attributes_hidden
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.model.config import read_config, text_config
 from hsx.store.fp8_states import ENCODING as FP8_ENCODING
@@ -213,7 +214,8 @@ class VllmHiddenStateEngine:
             # Architectures vLLM cannot hand aux states for get hsx's hooks (hsx.engine.
             # capture_models), registered where the engine is built: this process.
             register_capture_classes(self._architectures)
-            self._llm = LLM(**kwargs)
+            with unscannable_module_attributes_hidden():
+                self._llm = LLM(**kwargs)
         except BaseException as exc:
             self._failure = exc
             self._ready.set_exception(exc)

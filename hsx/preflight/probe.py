@@ -221,6 +221,10 @@ def run_probe(
                 axis=0,
             )
             worst = max(errors)
+            measured.append(
+                "max abs diff against HF float32 per id: "
+                + ", ".join(f"{i}: {e:.2e}" for i, e in zip(mapped, per_layer, strict=True))
+            )
             tolerances = [NUMERIC_TOLERANCE] * len(mapped)
             if probe_dtype != "float32":
                 spread = _hf_spread(hf_model, samples, mapped, references, probe_dtype)

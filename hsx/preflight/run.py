@@ -258,9 +258,27 @@ def probe_check(context: dict[str, Any], engine: EngineSettings) -> CheckResult:
             context["layer_ids"],
             context["lowest_layer_id"],
             engine,
-            language_architecture=context["resolved"].language_architecture,
+            language_architecture=text_architecture(context["config"], context["resolved"]),
         ),
     )
+
+
+def text_architecture(config: dict[str, Any], resolved: Any) -> str:
+    """The class of a wrapper's text model as HF names it, which the probe builds and compares:
+    the text config's own ``architectures`` (Kimi-K2.5: DeepseekV3ForCausalLM), else the
+    family's (hsx.model.families), else the class vLLM builds inside the wrapper (vLLM's names
+    can differ from HF's: Kimi-K2.5's is DeepseekV2ForCausalLM, whose HF class has no
+    noaux_tc routing)."""
+    from hsx.model.families import family_of
+
+    text = text_config(config)
+    archs = text.get("architectures") if text is not config else None
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    family = family_of(config)
+    if family is not None and family.text_architecture is not None:
+        return family.text_architecture
+    return str(resolved.language_architecture)
 
 
 def run_preflight(

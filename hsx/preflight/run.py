@@ -117,8 +117,11 @@ def static_checks(
     max_length: int | None = None,
     require_weights: bool | None = None,
     local_engine: bool = True,
+    served: bool = False,
 ) -> tuple[list[CheckResult], dict[str, Any]]:
     """Every check that needs no engine. Returns (results, context for the probe).
+
+    ``served``: the checks of `hsx serve`, whose engine is vLLM's server in a child process.
 
     ``local_engine`` False: the engine runs in `hsx serve` servers (engine.url), which own the
     devices; the weights-per-device check is theirs (`hsx serve` runs these checks at start).
@@ -166,6 +169,7 @@ def static_checks(
             what
             for what, where in (
                 ("engine.url (hsx serve servers)", not local_engine),
+                ("hsx serve (vLLM's server in a child process)", served),
                 ("engine.in_process false (a child process)", not engine.in_process),
                 (
                     f"tensor_parallel_size {engine.tensor_parallel_size} (worker processes)",

@@ -270,3 +270,25 @@ def test_a_run_without_preflight_on_an_unchecked_family_says_so(tmp_path: Path) 
     assert "warning" not in established["parity"] and "WARNING" not in _run_line(established)
     line = _family_line({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"})
     assert line.startswith("family gpt-oss: CPU parity with HF established (tiny gpt-oss")
+
+
+@pytest.mark.vllm
+def test_hsx_hooks_are_refused_where_the_engine_is_not_built_here() -> None:
+    """Mixtral, GLM-4 MoE and Gemma-3 are captured by hooks registered in the process that
+    builds the engine: a served, child-process or TP>1 engine would load and then fail."""
+    from hsx.preflight.report import Status
+    from hsx.preflight.run import static_checks
+    from settings import CaptureSettings, EngineSettings
+
+    here, _ = static_checks(CONFIGS / "mixtral-8x7b", CaptureSettings(), EngineSettings())
+    assert _by_check(here)["contract"].status == Status.PASS
+    assert _by_check(here)["signatures"].status == Status.PASS
+    for kwargs, named in (
+        ({"served": True}, "hsx serve"),
+        ({"engine": EngineSettings(in_process=False)}, "engine.in_process false"),
+        ({"engine": EngineSettings(tensor_parallel_size=2)}, "tensor_parallel_size 2"),
+    ):
+        engine = kwargs.pop("engine", EngineSettings())
+        results, _ = static_checks(CONFIGS / "glm-4.5", CaptureSettings(), engine, **kwargs)
+        contract = _by_check(results)["contract"]
+        assert contract.status == Status.FAIL and named in contract.summary, contract.summary

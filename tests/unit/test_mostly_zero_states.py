@@ -52,13 +52,20 @@ def test_a_mostly_zero_layer_fails_its_chunk_naming_layer_and_sample(
 
 
 def test_the_share_is_per_layer_over_the_whole_sample() -> None:
-    """Zeros spread over blocks add up per layer; a layer at the bound passes, past it fails."""
+    """Zeros add up per layer over the sample's blocks: half a layer's values passes, more
+    fails, naming the layer and its share; zeros of a real state (a few) count for nothing."""
     scan = SampleScan((1, 2), tokens=8)
     block = np.ones((4, 2, 10), dtype=np.float32)
-    block[:, 0, :5] = 0.0  # layer id 1: 50% zero in this block
+    block[:, 0, :5] = 0.0  # layer id 1: 50% zero
     scan.add(block, 0)
     scan.add(block, 4)
     assert MOSTLY_ZERO_FRACTION == 0.5 and scan.problem() is None
     block[:, 0, 5] = 0.0  # 60%
     scan.add(block, 8)
-    assert scan.problem() is not None and "layer id 1 53%" in str(scan.problem())
+    scan.add(block, 12)
+    assert "layer id 1 55%" in str(scan.problem())
+    few = SampleScan((1, 2), tokens=4)
+    sparse = np.ones((4, 2, 10), dtype=np.float32)
+    sparse[0, 1, 3] = 0.0
+    few.add(sparse, 0)
+    assert few.problem() is None and few.layer_zero_values.tolist() == [0, 0]

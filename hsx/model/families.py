@@ -165,6 +165,25 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3-next-80b-a3b",
     ),
     Family(
+        "qwen3.5",
+        (
+            "Qwen3_5MoeForConditionalGeneration",
+            "Qwen3_5ForConditionalGeneration",
+            "Qwen3_5MoeForCausalLM",
+            "Qwen3_5ForCausalLM",
+        ),
+        ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"),
+        "model.language_model.norm.weight",
+        CpuParity(
+            "refused",
+            f"{_HYBRID}; besides, vLLM's qwen3_5 module imports torchvision, which the CPU "
+            "build does not carry",
+        ),
+        "qwen3.5-35b-a3b",
+        text_architecture="Qwen3_5MoeForCausalLM",
+        norm_plus_one=True,
+    ),
+    Family(
         "gemma3",
         ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"),
         ("gemma3", "gemma3_text"),

@@ -383,6 +383,16 @@ def wrapped_architecture_from_source(arch: str) -> str | None:
     for node in tree.body:
         if not (isinstance(node, ast.ClassDef) and node.name == class_name):
             continue
+        # self.language_model = Qwen3_5ForCausalLM(...) (Qwen3.5's wrappers build it directly)
+        for assign in (n for n in ast.walk(node) if isinstance(n, ast.Assign)):
+            target, value = assign.targets[0], assign.value
+            if (
+                _is_self_attr(target, "language_model")
+                and isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and value.func.id in _registry().models  # a class, not a builder function
+            ):
+                return value.func.id
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
             func = call.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
@@ -577,10 +587,21 @@ def check_resolution(config: Mapping[str, Any]) -> CheckResult:
     except ArchitectureResolutionError as exc:
         details: tuple[str, ...] = ()
         text_model = resolve_text_model(config)
+        archs = config.get("architectures")
+        inner = (
+            wrapped_architecture_from_source(archs[0])
+            if isinstance(archs, list) and archs and isinstance(archs[0], str)
+            else None
+        )
         if text_model is not None:
             details = (
                 f"its source builds the text model {text_model.architecture} "
                 f"({text_model.describe()}): the remaining checks use that one",
+            )
+        elif inner is not None:
+            details = (
+                f"its source builds the text model {inner}, which does not resolve here "
+                "either: the remaining checks do not run",
             )
         hint = ""
         if "torchvision" in str(exc):

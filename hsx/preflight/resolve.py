@@ -601,7 +601,7 @@ def check_resolution(config: Mapping[str, Any]) -> CheckResult:
         elif inner is not None:
             details = (
                 f"its source builds the text model {inner}, which does not resolve here "
-                "either: the remaining checks do not run",
+                "either: its layer ids and capture are not checked here",
             )
         hint = ""
         if "torchvision" in str(exc):

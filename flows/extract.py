@@ -37,7 +37,7 @@ from hsx.extraction.host_pipeline import MAX_CHUNKS_IN_FLIGHT
 from hsx.extraction.run import ExtractionRun
 from hsx.extraction.steps import resolve_settings
 from hsx.interrupt import request_stop, stop_reason, stop_requested
-from hsx.store.run_records import RunAttempt, record_attempt
+from hsx.store.run_records import RunAttempt, record_attempt, run_parity
 from hsx.store.zarr_store import ExtractionStore
 from settings import HsxSettings
 from tasks.common import backoff, describe
@@ -127,6 +127,11 @@ def _extract(settings: HsxSettings, attempt: RunAttempt, stage: _Stage) -> dict[
     if settings.run.preflight:
         stage.name = "preflight"
         preflight_tasks(settings)
+    else:
+        parity = run_parity(settings)
+        if parity is not None and parity.get("warning"):
+            # Said in the log as in the run record and `hsx info`: nothing checks these states.
+            get_run_logger().warning("preflight off: %s", parity["warning"])
     stage.name = "plan"
     plan = plan_task(settings)
     # The run's spec, engine home and host pipeline: built once here, shared by every chunk.

@@ -84,9 +84,28 @@ def preflight(
 
 def make_tiny_models(
     target: Annotated[Path, typer.Argument(help="Folder to build the models in.")],
+    family: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--family",
+            help="Also build this family's tiny float32 model (its real HF class), as "
+            "tiny-FAMILY; repeat for several, 'all' for every one (hsx.data.tiny_families).",
+        ),
+    ] = None,
 ) -> None:
     """Build the tiny Llama and DeepSeek-V3 models (seeded random weights, local tokenizer)."""
+    from hsx.data.tiny_families import TINY_FAMILY_NAMES, ensure_tiny_family
     from hsx.data.tiny_models import ensure_tiny_models
 
+    wanted = list(TINY_FAMILY_NAMES) if family == ["all"] else list(family or [])
+    unknown = [name for name in wanted if name not in TINY_FAMILY_NAMES]
+    if unknown:
+        console.print(
+            f"[red]--family: expected one of {', '.join(TINY_FAMILY_NAMES)} or all, found "
+            f"{', '.join(unknown)}[/]"
+        )
+        raise typer.Exit(2)
     for name, path in ensure_tiny_models(target).items():
         console.print(f"{name}: {path}")
+    for name in wanted:
+        console.print(f"tiny-{name}: {ensure_tiny_family(target, name)}")

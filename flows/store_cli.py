@@ -176,6 +176,7 @@ def info(
     console.print(
         f"{meta['num_samples']} samples, {meta['total_tokens']} tokens, {len(commits)}/{len(meta['work_chunks'])} chunks committed; code {meta['code_version']}"
     )
+    console.print(_family_line(model), soft_wrap=True, highlight=False)
     served = any((record.extra or {}).get("engine_server") for record in commits.values())
     table = Table(
         "chunk", "samples", "tokens", "skipped", "run", "run attempt", "chunk attempt",
@@ -206,6 +207,24 @@ def info(
         console.print(_run_line(run), soft_wrap=True, highlight=False)
 
 
+def _family_line(model: dict[str, Any]) -> str:
+    """The store's model family and what is known of its parity with HF on vLLM's CPU build."""
+    from hsx.model.families import family_of
+
+    family = family_of(
+        {"architectures": model.get("architectures") or [], "model_type": model.get("model_type")}
+    )
+    if family is None:
+        return (
+            f"family: {model.get('architectures')} is not among hsx's families: parity with HF "
+            "rests on each run's preflight probe (see the runs below)"
+        )
+    return (
+        f"family {family.name}: CPU parity with HF {family.cpu_parity.status} "
+        f"({family.cpu_parity.detail})"
+    )
+
+
 def _run_line(run: dict[str, Any]) -> str:
     """One run record: which run and attempt, its outcome, when, and why it failed."""
     summary = run.get("summary") or {}
@@ -217,8 +236,10 @@ def _run_line(run: dict[str, Any]) -> str:
     )
     why = f": {run['error']}" if run.get("error") else ""
     where = f" in {run['failed_in']}" if run.get("failed_in") else ""
+    warning = (run.get("parity") or {}).get("warning")
+    unchecked = f" [yellow]WARNING: {warning}[/]" if warning else ""
     return (
         f"run {run.get('run_id')} attempt {run.get('attempt', 1)}: {run.get('status')}{where}"
         f" ({run.get('started_at', '?')} .. {run.get('ended_at') or 'running'}{done}; "
-        f"code {run.get('code_version')}){why}"
+        f"code {run.get('code_version')}){why}{unchecked}"
     )

@@ -24,6 +24,13 @@ from hsx.errors import TransientError
 # What a chunk does with a sample whose states fail a check.
 BadStatesPolicy = Literal["fail", "skip", "off"]
 
+# A layer with more than this share of its values exactly zero fails its sample: hybrid models
+# whose cache sizes were wrong gave 70%+ zeros (vLLM PR #51328) in vectors that were not all
+# zero; a real residual stream holds (almost) no exact zero.
+MOSTLY_ZERO_FRACTION = 0.5
+# A block's zeros are attributed to its layers from this share of one layer's values.
+_COUNT_LAYERS_FROM = 0.25
+
 # (magnitude mask, smallest non-finite magnitude) by stored dtype
 _BITS: dict[np.dtype[np.generic], tuple[np.dtype[np.generic], int, int]] = {
     np.dtype(np.uint16): (np.dtype(np.uint16), 0x7FFF, 0x7F80),  # bfloat16 bits
@@ -72,9 +79,14 @@ class SampleScan:
     zero: int = 0
     first_zero: tuple[int, int] | None = None
     layer_nonzero: np.ndarray = field(init=False)
+    # Per layer: values exactly zero, and values scanned (fp8 scales carry no element counts).
+    layer_zero_values: np.ndarray = field(init=False)
+    layer_values: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.layer_nonzero = np.zeros(len(self.layer_ids), dtype=bool)
+        self.layer_zero_values = np.zeros(len(self.layer_ids), dtype=np.int64)
+        self.layer_values = np.zeros(len(self.layer_ids), dtype=np.int64)
 
     def add(self, block: np.ndarray, token_offset: int) -> None:
         """Scan rows ``[token_offset, token_offset + n)`` of the sample; ``block`` is
@@ -91,6 +103,17 @@ class SampleScan:
         magnitude = _SCRATCH.get(bits_dtype, bits.size).reshape(bits.shape)
         np.bitwise_and(bits, mask, out=magnitude)
         largest = magnitude.max(axis=-1)  # [n, K]
+        # Exact zeros per layer (+0 and -0 alike: the sign bit is cleared). count_nonzero over
+        # the whole block is numpy's fast path (~0.3 of the scan; with an axis it cost more than
+        # the scan itself): layers are counted one by one only in a block holding zeros for a
+        # quarter of one layer's values. A block below counts as none, so a layer past 75%
+        # zeros is always caught, one past 50% where its zeros are spread over the sample.
+        per_layer = magnitude.shape[0] * magnitude.shape[2]
+        zeros = magnitude.size - np.count_nonzero(magnitude)
+        if zeros > _COUNT_LAYERS_FROM * per_layer:
+            for k in range(magnitude.shape[1]):
+                self.layer_zero_values[k] += per_layer - np.count_nonzero(magnitude[:, k, :])
+        self.layer_values += per_layer
         self._record(largest >= nonfinite_from, largest != 0, token_offset)
 
     def _record(self, bad: np.ndarray, nonzero: np.ndarray, token_offset: int) -> None:
@@ -118,9 +141,20 @@ class SampleScan:
                 f"positions, first at token {token}, layer id {self.layer_ids[layer]}"
             )
         dead = [self.layer_ids[k] for k in np.flatnonzero(~self.layer_nonzero)]
+        share = self.layer_zero_values / np.maximum(self.layer_values, 1)
+        mostly = [
+            f"layer id {self.layer_ids[k]} {share[k]:.0%}"
+            for k in np.flatnonzero(share > MOSTLY_ZERO_FRACTION)
+            if self.layer_ids[k] not in dead
+        ]
         if dead:
             problems.append(f"all-zero states at every token of layer id(s) {dead}")
-        elif self.first_zero is not None:
+        if mostly:
+            problems.append(
+                f"mostly zero states: expected at most {MOSTLY_ZERO_FRACTION:.0%} of a layer's "
+                f"values exactly zero, found {', '.join(mostly)}"
+            )
+        if not dead and self.first_zero is not None:
             token, layer = self.first_zero
             problems.append(
                 f"all-zero state vectors at {self.zero} of {positions} (token, layer) positions, "

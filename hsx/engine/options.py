@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsx.engine.capture_models import needs_hsx_capture
 from hsx.errors import ConfigError
 from hsx.model.config import read_config, text_config
+from hsx.model.layer_structure import layer_structure
 from hsx.model.limits import model_max_len
 from settings import EngineSettings
 
@@ -125,11 +127,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype: str, captured_layers: int) -> int:
-    """KV cache bytes one token takes at TP=1: every attention layer, plus the cache-only
-    layer in which extract_hidden_states keeps the token's [K, H] states."""
+    """KV cache bytes one token takes at TP=1: every attention layer (a hybrid's linear-attention
+    layers keep a state per sequence instead: ``linear_state_bytes``), plus the cache-only layer
+    in which extract_hidden_states keeps the token's [K, H] states."""
     text = text_config(config)
     item = _DTYPE_BYTES.get(dtype, 2)
-    layers = int(text["num_hidden_layers"])
+    layers = int(text["num_hidden_layers"]) - len(layer_structure(text).linear_attention_layers())
     hidden = int(text["hidden_size"])
     if is_mla(config):  # MLA caches the compressed latent and the rope key, shared by heads
         per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim", 64))
@@ -184,7 +187,9 @@ def engine_kwargs(
         "max_num_batched_tokens": max(engine.max_num_batched_tokens, max_model_len),
         "max_num_seqs": engine.max_num_seqs,
         "tensor_parallel_size": engine.tensor_parallel_size,
-        "enforce_eager": engine.enforce_eager,
+        # hsx's own capture hooks (hsx.engine.capture_models) run eagerly.
+        "enforce_eager": engine.enforce_eager
+        or needs_hsx_capture(config.get("architectures") or []),
         "seed": engine.seed,
         "load_format": engine.load_format,
         "speculative_config": {
@@ -228,3 +233,22 @@ def result_ring_bytes(engine: EngineSettings, spool_dir: str) -> int:
     wanted = min(16 << 30, max(256 << 20, memory // 16))
     free = shutil.disk_usage(spool_dir).free
     return max(64 << 20, min(wanted, free // 4))
+
+
+def linear_state_bytes(config: dict[str, Any], dtype: str) -> int:
+    """State bytes one sequence takes in a hybrid's linear-attention layers at TP=1 (Gated
+    DeltaNet: the convolution's last kernel-1 inputs of q, k, v and the recurrent state of each
+    value head, key dim x value dim); 0 for a model without such layers."""
+    text = text_config(config)
+    linear = len(layer_structure(text).linear_attention_layers())
+    if not linear:
+        return 0
+    item = _DTYPE_BYTES.get(dtype, 2)
+    key_heads = int(text.get("linear_num_key_heads") or 0)
+    value_heads = int(text.get("linear_num_value_heads") or 0)
+    key_dim = int(text.get("linear_key_head_dim") or 0)
+    value_dim = int(text.get("linear_value_head_dim") or 0)
+    kernel = int(text.get("linear_conv_kernel_dim") or 4)
+    conv = (kernel - 1) * (2 * key_heads * key_dim + value_heads * value_dim)
+    recurrent = value_heads * key_dim * value_dim
+    return linear * (conv + recurrent) * item

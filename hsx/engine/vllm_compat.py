@@ -221,3 +221,44 @@ def serving_contract_problems(modules: tuple[str, ...] = COMPLETION_PROTOCOL_MOD
             "server.api_key, off the command line), found no such variable"
         )
     return problems
+
+
+def _unscannable(value: object) -> bool:
+    """A value whose ``vars()`` is not a mapping: llvmlite's ``binding.ffi.lib`` (numba's
+    backend) answers every attribute, ``__dict__`` included, with a function wrapper."""
+    try:
+        return hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+    except TypeError:
+        return False
+
+
+class unscannable_module_attributes_hidden:  # noqa: N801 (a context manager, used like a function)
+    """Module attributes vLLM's CPU build cannot scan, taken out of their modules while an
+    engine is built, then put back.
+
+    vLLM 0.32 without Triton (its CPU build) rebinds its kernel overrides at worker start by
+    scanning every module in ``sys.modules`` and calling ``vars(value).get("kernel")`` on each
+    attribute; once numba's llvmlite is imported (vLLM's kimi_k25 module imports numba, and
+    preflight imports that module to resolve Kimi-K2.5), the scan raises "'_lib_fn_wrapper'
+    object has no attribute 'get'" and no engine can be built in the process. Measured: after
+    preflight resolved Kimi-K2.5, every later probe of the process failed so."""
+
+    def __init__(self) -> None:
+        self._hidden: list[tuple[dict[str, Any], str, object]] = []
+
+    def __enter__(self) -> None:
+        import sys
+
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                if _unscannable(value):
+                    self._hidden.append((namespace, attr, value))
+                    del namespace[attr]
+
+    def __exit__(self, *_exc: object) -> None:
+        for namespace, attr, value in self._hidden:
+            namespace[attr] = value
+        self._hidden.clear()

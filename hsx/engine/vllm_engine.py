@@ -29,6 +29,7 @@ import torch
 from hsx import timings
 from hsx.engine import connector as hsx_connector
 from hsx.engine.capture_checks import CapturedDataError, check_token_ids
+from hsx.engine.capture_models import register_capture_classes
 from hsx.engine.core_watch import watch_engine_core
 from hsx.engine.options import engine_kwargs, resolve_dtype, result_ring_bytes
 from hsx.engine.platform import cpu_thread_binding, enable_fault_reports, request_amx
@@ -36,6 +37,7 @@ from hsx.engine.result_ring import READY_FIFO, RING_FILE, ring_granules
 from hsx.engine.results import ResultRendezvous
 from hsx.engine.server_protocol import ENCODING_PARAM
 from hsx.engine.shm_folders import make_owned_folder
+from hsx.engine.vllm_compat import unscannable_module_attributes_hidden
 from hsx.errors import ConfigError, EngineError, RequestRefusedError
 from hsx.model.config import read_config, text_config
 from hsx.store.fp8_states import ENCODING as FP8_ENCODING
@@ -130,6 +132,7 @@ class VllmHiddenStateEngine:
             ring_granules=ring_granules(ring_bytes) if ring_bytes else 0,
         )
         self.attention_backend = kwargs.get("attention_backend")
+        self._architectures = list(config.get("architectures") or [])
         # Set for the engine's processes only (they copy the environment when they start):
         # left set, it would bind a later one-rank engine of this process to one rank's CPUs.
         bind_set_here = False
@@ -208,7 +211,11 @@ class VllmHiddenStateEngine:
             request_amx()
             from vllm import LLM
 
-            self._llm = LLM(**kwargs)
+            # Architectures vLLM cannot hand aux states for get hsx's hooks (hsx.engine.
+            # capture_models), registered where the engine is built: this process.
+            register_capture_classes(self._architectures)
+            with unscannable_module_attributes_hidden():
+                self._llm = LLM(**kwargs)
         except BaseException as exc:
             self._failure = exc
             self._ready.set_exception(exc)

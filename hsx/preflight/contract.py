@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.model.config import text_config
+from hsx.model.layer_structure import layer_structure
 from hsx.model.layers import default_layer_ids
 from hsx.preflight.report import CheckResult, Status
 from hsx.preflight.resolve import ResolvedArchitecture, layer_loop_call
@@ -100,11 +101,58 @@ def _vllm_version() -> str:
         return "unknown"
 
 
+def _hybrid_refusal(
+    resolved: ResolvedArchitecture, text: Mapping[str, Any], version: str
+) -> CheckResult | None:
+    """A hybrid model (linear-attention or Mamba state beside attention KV) cannot be captured:
+    vLLM's extract_hidden_states keeps the states in a cache-only attention layer, and vLLM
+    0.32 cannot join that layer's KV cache spec with the hybrid's state specs. Measured on the
+    tiny Qwen3-Next: engine start fails after the load ("Failed to promote local KV cache specs
+    to one unified type."); vLLM PR #51328 saw 70%+ zeros and NaN states where it did start."""
+    from vllm.model_executor.models.interfaces import is_hybrid
+
+    structure = layer_structure(text)
+    linear = structure.linear_attention_layers()
+    if not linear and not is_hybrid(resolved.model_cls):
+        return None
+    layers = structure.num_layers
+    kinds = (
+        f"{len(linear)} of its {layers} layers linear attention"
+        if linear
+        else "a state-space (Mamba) state beside attention"
+    )
+    return CheckResult(
+        "contract",
+        Status.FAIL,
+        f"{resolved.class_name} is a hybrid model ({kinds}): expected a KV cache of one kind "
+        f"that vLLM {version}'s extract_hidden_states capture layer can join, found "
+        "linear-attention state beside attention KV (the engine fails after the load: "
+        '"Failed to promote local KV cache specs to one unified type."); hsx has no exact '
+        "capture path for hybrids yet",
+        (
+            "linear-attention layers: "
+            + ", ".join(str(i) for i in linear[:16])
+            + (" ..." if len(linear) > 16 else ""),
+        )
+        if linear
+        else (),
+    )
+
+
 def check_capture_contract(
-    resolved: ResolvedArchitecture, config: Mapping[str, Any], layer_ids: Sequence[int]
+    resolved: ResolvedArchitecture,
+    config: Mapping[str, Any],
+    layer_ids: Sequence[int],
+    hsx_capture_here: str | None = None,
 ) -> CheckResult:
-    """EAGLE-3 interface present, layer ids (vLLM convention) unique and in range."""
+    """EAGLE-3 interface present (vLLM's, or hsx's own hooks for the architectures of
+    hsx.engine.capture_models), layer ids (vLLM convention) unique and in range.
+
+    ``hsx_capture_here``: None where hsx's hooks can be installed in the engine (built in this
+    process), else why they cannot (they are registered in the process that builds it)."""
     from vllm.model_executor.models.interfaces import supports_eagle3
+
+    from hsx.engine.capture_models import needs_hsx_capture
 
     name = resolved.class_name
     version = _vllm_version()
@@ -113,7 +161,16 @@ def check_capture_contract(
             return CheckResult(
                 "contract", Status.FAIL, f"{arch} is known broken with vLLM {version}: {why}"
             )
-    if not supports_eagle3(resolved.model_cls):
+    captured_by_hsx = needs_hsx_capture([resolved.architecture])
+    if captured_by_hsx and hsx_capture_here is not None:
+        return CheckResult(
+            "contract",
+            Status.FAIL,
+            f"{name} lacks vLLM's EAGLE-3 interface and is captured by hsx's own hooks, which "
+            f"are installed where the engine is built: expected an engine in this process, "
+            f"found {hsx_capture_here}",
+        )
+    if not captured_by_hsx and not supports_eagle3(resolved.model_cls):
         return CheckResult(
             "contract",
             Status.FAIL,
@@ -129,6 +186,9 @@ def check_capture_contract(
             Status.FAIL,
             f"config.json num_hidden_layers must be a positive integer; found {num_layers!r}",
         )
+    hybrid = _hybrid_refusal(resolved, text, version)
+    if hybrid is not None:
+        return hybrid
     ids = [int(i) for i in layer_ids]
     if not ids:
         return CheckResult(
@@ -156,14 +216,29 @@ def check_capture_contract(
             (span.reason,),
         )
     details = [span.reason]
+    structure = layer_structure(text)
+    if len(set(structure.kinds())) > 1:
+        # Which kind of layer each captured state comes out of (id k: the output of layer k-1).
+        details.append(
+            "captured after: "
+            + ", ".join(
+                f"id {i} <- layer {i - 1} ({structure.kind(i - 1)})" for i in sorted(ids) if i
+            )
+        )
     if list(ids) != sorted(ids):
         # why: vLLM sorts aux layers; hsx must store them in the order the engine returns them.
         details.append(f"ids will be captured in ascending order {sorted(ids)}, not as given")
+    how = "supports EAGLE-3 capture"
+    if captured_by_hsx:
+        how = "is captured by hsx's hooks (vLLM's class lacks EAGLE-3's interface)"
+        details.append(
+            "hsx.engine.capture_models: pre-hooks on the decoder layers and the final norm "
+            "collect hidden_states + residual, as vLLM's own EAGLE-3 models do; eager mode"
+        )
     return CheckResult(
         "contract",
         Status.PASS,
-        f"{name} supports EAGLE-3 capture; layer ids {tuple(ids)} valid in "
-        f"{span.low}..{span.high} (vLLM convention)",
+        f"{name} {how}; layer ids {tuple(ids)} valid in {span.low}..{span.high} (vLLM convention)",
         tuple(details),
     )
 
@@ -215,3 +290,35 @@ def check_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> CheckRe
         Status.PASS,
         f"{type(tokenizer).__name__} loads ({size} tokens) and has a chat template",
     )
+
+
+# --------------------------------------------------------------------------- family
+
+
+def check_family(config: Mapping[str, Any], on_gpu: bool) -> CheckResult:
+    """What hsx knows of this architecture family (hsx.model.families): on vLLM's CPU build a
+    family refused there fails, naming why; one whose parity with HF is not established
+    warns (the probe, when it runs, establishes it for this model)."""
+    from hsx.model.families import family_of
+
+    family = family_of(config)
+    archs = list(config.get("architectures") or [])
+    if family is None:
+        return CheckResult(
+            "family",
+            Status.WARN,
+            f"{archs} is not among hsx's families: parity with HF rests on the probe alone",
+        )
+    parity = family.cpu_parity
+    where = "GPU" if on_gpu else "CPU"
+    summary = f"family {family.name}: CPU parity with HF {parity.status}"
+    if parity.status == "refused" and not on_gpu:
+        return CheckResult(
+            "family",
+            Status.FAIL,
+            f"family {family.name} cannot be captured correctly on vLLM's CPU build: "
+            f"{parity.detail}",
+            (f"real config: tests/fixtures/configs/{family.fixture}",),
+        )
+    status = Status.PASS if parity.status == "established" and not on_gpu else Status.WARN
+    return CheckResult("family", status, f"{summary} ({where} here)", (parity.detail,))

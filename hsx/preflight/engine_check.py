@@ -11,7 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hsx.engine.options import choose_attention_backend, kv_bytes_per_token, resolve_dtype
+from hsx.engine.options import (
+    choose_attention_backend,
+    kv_bytes_per_token,
+    linear_state_bytes,
+    resolve_dtype,
+)
 from hsx.errors import ConfigError
 from hsx.model.limits import model_max_len
 from hsx.preflight.report import CheckResult, Status
@@ -49,6 +54,13 @@ def check_engine_options(
         f"dtype {dtype}; attention backend {backend_text}",
         f"max_model_len {max_model_len} (model limit {limit.tokens}: {limit.source})",
     ]
+    state = linear_state_bytes(config, dtype)
+    if state:
+        details.append(
+            f"linear-attention state {state / (1 << 20):,.1f} MiB per sequence (beside the "
+            f"{kv_bytes_per_token(config, dtype, captured_layers):,} B/token of attention KV "
+            "and captured states)"
+        )
     if engine.kv_cache_memory_gib is not None:
         capacity = int(engine.kv_cache_memory_gib * (1 << 30))
         per_token = kv_bytes_per_token(config, dtype, captured_layers)

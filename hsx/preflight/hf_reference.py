@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hsx.errors import ConfigError
+
 
 def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
@@ -23,12 +25,31 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
     return model
 
 
+def text_decoder(model: Any) -> Any:
+    """The module holding the decoder layers and the final norm: ``get_decoder()`` for most
+    classes; Llama-4's ForCausalLM returns itself there, so its ``model`` is tried, and a
+    multimodal wrapper's ``language_model``."""
+    inner = getattr(model, "model", None)
+    for candidate in (
+        model.get_decoder(),
+        inner,
+        getattr(inner, "language_model", None),
+        getattr(model, "language_model", None),
+    ):
+        if candidate is not None and hasattr(candidate, "norm") and hasattr(candidate, "layers"):
+            return candidate
+    raise ConfigError(
+        f"HF reference: expected a decoder with 'layers' and a final 'norm' in "
+        f"{type(model).__name__}, found none (get_decoder() is {type(model.get_decoder()).__name__})"
+    )
+
+
 def hf_hidden_states(
     model: Any, prompts: Sequence[np.ndarray], layer_ids: Sequence[int]
 ) -> list[torch.Tensor]:
     """Each prompt's states at ``layer_ids`` (vLLM numbering): ``[tokens, K, H]`` float32."""
     num_layers = int(model.config.get_text_config().num_hidden_layers)
-    final_norm = model.get_decoder().norm
+    final_norm = text_decoder(model).norm
     captured: list[torch.Tensor] = []
     handle = final_norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
     results: list[torch.Tensor] = []

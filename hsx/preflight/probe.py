@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from hsx.data.tiny_models import seeded_init
+from hsx.preflight.reduction import PROBE_LAYERS, reduce_model
 from hsx.preflight.report import CheckResult, Status
 from settings import EngineSettings
 from settings.models import SettingsWithoutEnvironment
 
 logger = logging.getLogger(__name__)
 
-PROBE_VOCAB = 4096
 NUMERIC_TOLERANCE = 1e-3  # fp32; measured 1e-7..1e-5 when correct, 2.5e-2 for the rotary bug
 
 
@@ -78,76 +78,6 @@ def _hf_spread(
     ]
 
 
-def map_layer_ids(
-    ids: Sequence[int], num_layers: int, reduced_layers: int, lowest: int
-) -> tuple[tuple[int, ...], int]:
-    """Map capture ids of an L-layer model onto a reduced model, keeping each id's role: 0 stays
-    the embeddings, L the final state, and ids in between keep their order and relative depth.
-    Returns (mapped ids, reduced layer count, grown if needed to keep ids distinct)."""
-    interior = sorted(i for i in set(ids) if 0 < i < num_layers)
-    reduced = max(reduced_layers, len(interior) + 2)
-    mapped: list[int] = []
-    for layer_id in interior:
-        candidate = min(max(round(layer_id * reduced / num_layers), max(lowest, 1)), reduced - 1)
-        if mapped and candidate <= mapped[-1]:
-            candidate = mapped[-1] + 1
-        mapped.append(candidate)
-    if mapped and mapped[-1] >= reduced:
-        reduced = mapped[-1] + 1
-    out = ([0] if 0 in ids else []) + mapped + ([reduced] if num_layers in ids else [])
-    return tuple(out), reduced
-
-
-def reduced_config(
-    text: Mapping[str, Any], reduced_layers: int
-) -> tuple[dict[str, Any], list[str]]:
-    """A small config of the same architecture; returns it and notes on what was left out."""
-    cfg = dict(text)
-    notes: list[str] = []
-    heads = int(cfg.get("num_attention_heads", 4))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    new_heads = min(heads, 4)
-    cfg["num_attention_heads"] = new_heads
-    cfg["num_key_value_heads"] = max(1, new_heads * kv_heads // heads)
-    if "kv_lora_rank" not in cfg:
-        # Keep the head shape the attention kernels see; narrow the residual stream.
-        cfg["head_dim"] = head_dim
-        cfg["hidden_size"] = new_heads * head_dim
-    else:
-        cfg["hidden_size"] = min(int(cfg["hidden_size"]), 512)
-        if cfg.get("q_lora_rank"):
-            cfg["q_lora_rank"] = min(int(cfg["q_lora_rank"]), 256)
-    cfg["num_hidden_layers"] = reduced_layers
-    cfg["vocab_size"] = PROBE_VOCAB
-    if "intermediate_size" in cfg:
-        cfg["intermediate_size"] = min(int(cfg["intermediate_size"]), 1024)
-    if cfg.get("n_routed_experts"):
-        cfg["n_routed_experts"] = min(int(cfg["n_routed_experts"]), 8)
-        cfg["num_experts_per_tok"] = min(int(cfg.get("num_experts_per_tok") or 2), 2)
-        cfg["moe_intermediate_size"] = min(int(cfg.get("moe_intermediate_size") or 256), 256)
-        cfg["n_group"], cfg["topk_group"] = 1, 1
-        cfg["first_k_dense_replace"] = min(int(cfg.get("first_k_dense_replace") or 0), 1)
-    if cfg.get("num_local_experts"):
-        cfg["num_local_experts"] = min(int(cfg["num_local_experts"]), 8)
-        cfg["num_experts_per_tok"] = min(int(cfg.get("num_experts_per_tok") or 2), 2)
-    cfg["num_nextn_predict_layers"] = 0
-    for key in ("quantization_config", "auto_map"):
-        if cfg.pop(key, None) is not None:
-            notes.append(
-                f"{key} left out of the probe: "
-                + (
-                    "it runs dense fp32 on this machine"
-                    if key == "quantization_config"
-                    else "no remote code"
-                )
-            )
-    cfg.update({"torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    cfg.pop("dtype", None)
-    cfg["max_position_embeddings"] = max(int(cfg.get("max_position_embeddings") or 512), 512)
-    return cfg, notes
-
-
 def _hf_model_class(config: Mapping[str, Any]) -> Any:
     import transformers
 
@@ -182,15 +112,19 @@ def run_probe(
     layer_ids: Sequence[int],
     lowest_layer_id: int,
     engine: EngineSettings,
-    reduced_layers: int = 4,
+    reduced_layers: int = PROBE_LAYERS,
     dtype: str | None = None,
+    language_architecture: str | None = None,
 ) -> CheckResult:
     """Build the reduced model, extract a small batch through hsx's path, check it.
 
     ``dtype`` None: float32 on CPUs (compared with HF within NUMERIC_TOLERANCE); bfloat16 on
     GPUs, compared with HF float32 within BF16_SPREAD_FACTOR x HF's own bfloat16 spread. On
     GPUs vLLM has no float32 MLA backend, and its Triton attention kernels compute float32 dots
-    in TF32 (measured on the H200, reduced Llama: 5.7e-3..2.1e-2 against HF float32)."""
+    in TF32 (measured on the H200, reduced Llama: 5.7e-3..2.1e-2 against HF float32).
+
+    ``language_architecture``: the text model a multimodal wrapper builds (preflight's
+    resolution), which the probe runs in its place: the same decoder, without a vision tower."""
     from hsx.data.sample_data import write_jsonl
     from hsx.data.tiny_models import train_tokenizer
     from hsx.data.tokenization import TokenizedSample  # noqa: F401  (import check: the path loads)
@@ -202,10 +136,14 @@ def run_probe(
     from hsx.store.reader import HiddenStatesReader
 
     started = time.perf_counter()
-    num_layers = int(text["num_hidden_layers"])
-    mapped, layers = map_layer_ids(layer_ids, num_layers, reduced_layers, lowest_layer_id)
-    cfg, notes = reduced_config(text, layers)
-    cfg["architectures"] = list(config.get("architectures") or [])
+    reduced = reduce_model(text, layer_ids, lowest_layer_id, reduced_layers)
+    mapped, layers, cfg = reduced.layer_ids, reduced.layers, reduced.config
+    notes = list(reduced.notes)
+    architectures = list(config.get("architectures") or [])
+    if language_architecture and architectures[:1] != [language_architecture]:
+        notes.append(f"runs {language_architecture}, the text model {architectures} wraps")
+        architectures = [language_architecture]
+    cfg["architectures"] = architectures
     workdir = Path(tempfile.mkdtemp(prefix="hsx-probe-"))
     url = f"memory://hsx-probe-{uuid.uuid4().hex}"
     try:
@@ -283,6 +221,10 @@ def run_probe(
                 axis=0,
             )
             worst = max(errors)
+            measured.append(
+                "max abs diff against HF float32 per id: "
+                + ", ".join(f"{i}: {e:.2e}" for i, e in zip(mapped, per_layer, strict=True))
+            )
             tolerances = [NUMERIC_TOLERANCE] * len(mapped)
             if probe_dtype != "float32":
                 spread = _hf_spread(hf_model, samples, mapped, references, probe_dtype)
@@ -309,7 +251,8 @@ def run_probe(
                 )
         seconds = time.perf_counter() - started
         details = (
-            f"reduced model: {layers} layers, hidden {hidden}, ids {list(layer_ids)} -> {list(mapped)}",
+            f"reduced model: {layers} layers, hidden {hidden}, ids "
+            + reduced.describe_ids(layer_ids),
             *notes,
             *measured,
         )

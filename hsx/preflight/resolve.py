@@ -61,6 +61,9 @@ class ResolvedArchitecture:
     # (hybrid attention/mamba models), which only matters for hooks on model internals.
     decoder_layer_cls: type | None
     chain: list[str]  # for printing: arch, module, wrapped classes..., backbone
+    # The architecture name of language_model_cls (a wrapper's text model, e.g. Gemma3ForCausalLM
+    # inside Gemma3ForConditionalGeneration): what a text-only copy of the model is built as.
+    language_architecture: str = ""
 
     def describe(self) -> str:
         layer = self.decoder_layer_cls.__name__ if self.decoder_layer_cls else "not static"
@@ -354,6 +357,65 @@ def _load_arch(arch: str) -> tuple[str, type]:
     return module_name or cls.__module__, cls
 
 
+def wrapped_architecture_from_source(arch: str) -> str | None:
+    """The text model a registered wrapper builds, read from its module's source without
+    importing it (for a wrapper whose module does not import here, e.g. a vision tower's missing
+    dependency): ``init_vllm_registered_model(..., architectures=["X"])`` or
+    ``initialize_model(..., model_class=X)`` in its class body."""
+    import importlib.util
+
+    entry = _registry().models.get(arch)
+    module_name = getattr(entry, "module_name", None)
+    class_name = getattr(entry, "class_name", None) or arch
+    if not module_name:
+        return None
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    try:
+        with open(spec.origin, encoding="utf-8") as source:
+            tree = ast.parse(source.read())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and node.name == class_name):
+            continue
+        # self.language_model = Qwen3_5ForCausalLM(...) (Qwen3.5's wrappers build it directly)
+        for assign in (n for n in ast.walk(node) if isinstance(n, ast.Assign)):
+            target, value = assign.targets[0], assign.value
+            if (
+                _is_self_attr(target, "language_model")
+                and isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and value.func.id in _registry().models  # a class, not a builder function
+            ):
+                return value.func.id
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            func = call.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            for kw in call.keywords:
+                value = kw.value
+                if (
+                    name == "init_vllm_registered_model"
+                    and kw.arg == "architectures"
+                    and isinstance(value, ast.List | ast.Tuple)
+                    and value.elts
+                    and isinstance(value.elts[0], ast.Constant)
+                    and isinstance(value.elts[0].value, str)
+                ):
+                    return value.elts[0].value
+                if (
+                    name == "initialize_model"
+                    and kw.arg == "model_class"
+                    and isinstance(value, ast.Name)
+                ):
+                    return value.id
+    return None
+
+
 @dataclass(frozen=True)
 class _Built:
     via_arch: str | None  # set when built through init_vllm_registered_model(architectures=[...])
@@ -416,17 +478,24 @@ def _inner_models(cls: type, env: _Env, config: Mapping[str, Any]) -> Iterator[_
 
 
 def _find_backbone(
-    cls: type, env: _Env, config: Mapping[str, Any], chain: list[str], depth: int = 0
-) -> tuple[type, _Built] | None:
-    """(language-model class, backbone) under ``cls``, appending wrapped names to ``chain``."""
+    cls: type,
+    env: _Env,
+    config: Mapping[str, Any],
+    chain: list[str],
+    name: str,
+    depth: int = 0,
+) -> tuple[type, _Built, str] | None:
+    """(language-model class, backbone, the language model's architecture name) under ``cls``
+    (reached as ``name``), appending wrapped names to ``chain``."""
     if depth > _MAX_DEPTH:
         return None
     for built in _inner_models(cls, env, config):
         if layer_loop_call(built.cls) is not None:
             chain.append(built.cls.__name__)
-            return cls, built
-        sub_chain = [built.via_arch or built.cls.__name__]
-        found = _find_backbone(built.cls, built.env, config, sub_chain, depth + 1)
+            return cls, built, name
+        inner_name = built.via_arch or built.cls.__name__
+        sub_chain = [inner_name]
+        found = _find_backbone(built.cls, built.env, config, sub_chain, inner_name, depth + 1)
         if found is not None:
             chain.extend(sub_chain)
             return found
@@ -447,16 +516,16 @@ def resolve_architecture(config: Mapping[str, Any]) -> ResolvedArchitecture:
     if model_cls.__name__ != arch:
         chain.append(model_cls.__name__)
     if layer_loop_call(model_cls) is not None:
-        language_model_cls, built = model_cls, _Built(None, model_cls, {})
+        language_model_cls, built, language_arch = model_cls, _Built(None, model_cls, {}), arch
     else:
-        found = _find_backbone(model_cls, {}, config, chain)
+        found = _find_backbone(model_cls, {}, config, chain, arch)
         if found is None:
             raise ArchitectureResolutionError(
                 f"{model_cls.__name__} ({module_name}) resolved, but no backbone was found: "
                 "expected a class whose forward loops over self.layers; found none built in "
                 f"its __init__ as self.{'/'.join(_INNER_ATTRS)}"
             )
-        language_model_cls, built = found
+        language_model_cls, built, language_arch = found
     return ResolvedArchitecture(
         architecture=arch,
         module_name=module_name,
@@ -466,6 +535,7 @@ def resolve_architecture(config: Mapping[str, Any]) -> ResolvedArchitecture:
         backbone_cls=built.cls,
         decoder_layer_cls=_decoder_layer_cls(built.cls, built.env),
         chain=chain,
+        language_architecture=language_arch,
     )
 
 
@@ -494,12 +564,52 @@ def _config_notes(config: Mapping[str, Any]) -> tuple[list[str], bool]:
     return notes, needs_remote
 
 
+def resolve_text_model(config: Mapping[str, Any]) -> ResolvedArchitecture | None:
+    """For a wrapper that does not resolve here (its module does not import), the text model
+    it builds, resolved on its own: the checks of layer ids and captured layers still apply to
+    it. None when the source names no text model or that one does not resolve either."""
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        return None
+    inner = wrapped_architecture_from_source(archs[0])
+    if inner is None or inner == archs[0]:
+        return None
+    try:
+        return resolve_architecture({**config, "architectures": [inner]})
+    except ArchitectureResolutionError:
+        return None
+
+
 def check_resolution(config: Mapping[str, Any]) -> CheckResult:
     """Preflight check: the architecture resolves to a vLLM class, backbone and decoder layer."""
     try:
         resolved = resolve_architecture(config)
     except ArchitectureResolutionError as exc:
-        return CheckResult("resolve", Status.FAIL, str(exc))
+        details: tuple[str, ...] = ()
+        text_model = resolve_text_model(config)
+        archs = config.get("architectures")
+        inner = (
+            wrapped_architecture_from_source(archs[0])
+            if isinstance(archs, list) and archs and isinstance(archs[0], str)
+            else None
+        )
+        if text_model is not None:
+            details = (
+                f"its source builds the text model {text_model.architecture} "
+                f"({text_model.describe()}): the remaining checks use that one",
+            )
+        elif inner is not None:
+            details = (
+                f"its source builds the text model {inner}, which does not resolve here "
+                "either: its layer ids and capture are not checked here",
+            )
+        hint = ""
+        if "torchvision" in str(exc):
+            hint = (
+                " (vLLM's CPU build carries no torchvision: the CUDA-linked wheel pip brings "
+                "breaks `from vllm import LLM`; the engine cannot build this class here)"
+            )
+        return CheckResult("resolve", Status.FAIL, f"{exc}{hint}", details)
     notes, needs_remote = _config_notes(config)
     layer = resolved.decoder_layer_cls
     if layer is None:

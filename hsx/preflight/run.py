@@ -117,8 +117,11 @@ def static_checks(
     max_length: int | None = None,
     require_weights: bool | None = None,
     local_engine: bool = True,
+    served: bool = False,
 ) -> tuple[list[CheckResult], dict[str, Any]]:
     """Every check that needs no engine. Returns (results, context for the probe).
+
+    ``served``: the checks of `hsx serve`, whose engine is vLLM's server in a child process.
 
     ``local_engine`` False: the engine runs in `hsx serve` servers (engine.url), which own the
     devices; the weights-per-device check is theirs (`hsx serve` runs these checks at start).
@@ -132,10 +135,8 @@ def static_checks(
         else require_weights
     )
     from hsx.preflight.contract import capture_id_range, check_capture_contract, check_tokenizer
-    from hsx.preflight.resolve import check_resolution, resolve_architecture
-    from hsx.preflight.resources import check_resources
+    from hsx.preflight.resolve import check_resolution, resolve_architecture, resolve_text_model
     from hsx.preflight.signatures import check_signatures, default_call_sites
-    from hsx.preflight.weights import check_weights
 
     results: list[CheckResult] = []
     context: dict[str, Any] = {}
@@ -147,28 +148,55 @@ def static_checks(
     context.update(config=config, text=text)
     resolution = _guarded("resolve", lambda: check_resolution(config))
     results.append(resolution)
-    if resolution.status == Status.FAIL:
-        return results, context
-    resolved = resolve_architecture(config)
-    context["resolved"] = resolved
+
+    def family() -> CheckResult:
+        from hsx.engine.options import cuda_available
+        from hsx.preflight.contract import check_family
+
+        return check_family(config, on_gpu=cuda_available())
+
+    # From config.json alone: it says why a family is refused even where nothing resolves.
+    results.append(_guarded("family", family))
+    # A wrapper that cannot be built here still has its text model's layers checked; where
+    # neither resolves, the checks of config.json alone (memory, bytes per token) still run.
+    resolved = (
+        resolve_text_model(config)
+        if resolution.status == Status.FAIL
+        else resolve_architecture(config)
+    )
     num_layers = int(text["num_hidden_layers"])
+    if resolved is None:
+        results.append(_guarded("tokenizer", lambda: check_tokenizer(model_dir)))
+        return results + _config_checks(
+            model_dir, config, engine, _ids_or_default(capture, num_layers), max_length,
+            needs_weights, local_engine, store_url, dataset_tokens,
+        ), context  # fmt: skip
+    context["resolved"] = resolved
 
     def contract() -> CheckResult:
         ids = capture_layer_ids(capture, num_layers)
         context["layer_ids"] = ids
         context["lowest_layer_id"] = capture_id_range(resolved, num_layers).low
-        return check_capture_contract(resolved, config, ids)
+        elsewhere = [
+            what
+            for what, where in (
+                ("engine.url (hsx serve servers)", not local_engine),
+                ("hsx serve (vLLM's server in a child process)", served),
+                ("engine.in_process false (a child process)", not engine.in_process),
+                (
+                    f"tensor_parallel_size {engine.tensor_parallel_size} (worker processes)",
+                    engine.tensor_parallel_size > 1,
+                ),
+            )
+            if where
+        ]
+        return check_capture_contract(
+            resolved, config, ids, ", ".join(elsewhere) if elsewhere else None
+        )
 
     results.append(_guarded("contract", contract))
+
     results.append(_guarded("tokenizer", lambda: check_tokenizer(model_dir)))
-
-    def engine_options() -> CheckResult:
-        from hsx.preflight.engine_check import check_engine_options
-
-        captured = len(context.get("layer_ids", ())) or 4
-        return check_engine_options(model_dir, config, engine, captured, max_length)
-
-    results.append(_guarded("engine", engine_options))
 
     def signatures() -> CheckResult:
         from hsx.engine.connector import HsxHiddenStatesConnector
@@ -188,9 +216,41 @@ def static_checks(
         return result
 
     results.append(_guarded("signatures", signatures))
-    results.append(
-        _guarded("weights", lambda: check_weights(model_dir, config, required=needs_weights))
-    )
+    ids = context.get("layer_ids") or _ids_or_default(capture, num_layers)
+    return results + _config_checks(
+        model_dir, config, engine, ids, max_length, needs_weights, local_engine, store_url,
+        dataset_tokens,
+    ), context  # fmt: skip
+
+
+def _ids_or_default(capture: CaptureSettings, num_layers: int) -> tuple[int, ...]:
+    """The capture ids for sizing (bytes per token, KV), the default where they are invalid
+    (the contract check names that)."""
+    try:
+        return capture_layer_ids(capture, num_layers)
+    except ValueError:
+        return default_layer_ids(num_layers)
+
+
+def _config_checks(
+    model_dir: Path,
+    config: dict[str, Any],
+    engine: EngineSettings,
+    layer_ids: tuple[int, ...],
+    max_length: int | None,
+    needs_weights: bool,
+    local_engine: bool,
+    store_url: str | None,
+    dataset_tokens: int | None,
+) -> list[CheckResult]:
+    """The checks of config.json and the folder alone: engine options (dtype, backend, KV and
+    linear-attention state), weights, resources (weights per device, bytes per token)."""
+    from hsx.preflight.engine_check import check_engine_options
+    from hsx.preflight.resources import check_resources
+    from hsx.preflight.weights import check_weights
+
+    text = text_config(config)
+    captured = len(layer_ids) or 4
 
     def resources() -> CheckResult:
         device_memory = None
@@ -201,8 +261,7 @@ def static_checks(
                 device_memory = int(torch.cuda.get_device_properties(0).total_memory)
         except Exception:  # no CUDA runtime: memory unknown, said so by the check
             device_memory = None
-        k = len(context.get("layer_ids", ())) or 4
-        bytes_per_token = k * int(text["hidden_size"]) * 2 + 5  # bf16 states + id + mask
+        bytes_per_token = captured * int(text["hidden_size"]) * 2 + 5  # bf16 states + id + mask
         return check_resources(
             config,
             engine.tensor_parallel_size,
@@ -212,8 +271,14 @@ def static_checks(
             store_url or "memory://",
         )
 
-    results.append(_guarded("resources", resources))
-    return results, context
+    return [
+        _guarded(
+            "engine",
+            lambda: check_engine_options(model_dir, config, engine, captured, max_length),
+        ),
+        _guarded("weights", lambda: check_weights(model_dir, config, required=needs_weights)),
+        _guarded("resources", resources),
+    ]
 
 
 def probe_check(context: dict[str, Any], engine: EngineSettings) -> CheckResult:
@@ -231,8 +296,27 @@ def probe_check(context: dict[str, Any], engine: EngineSettings) -> CheckResult:
             context["layer_ids"],
             context["lowest_layer_id"],
             engine,
+            language_architecture=text_architecture(context["config"], context["resolved"]),
         ),
     )
+
+
+def text_architecture(config: dict[str, Any], resolved: Any) -> str:
+    """The class of a wrapper's text model as HF names it, which the probe builds and compares:
+    the text config's own ``architectures`` (Kimi-K2.5: DeepseekV3ForCausalLM), else the
+    family's (hsx.model.families), else the class vLLM builds inside the wrapper (vLLM's names
+    can differ from HF's: Kimi-K2.5's is DeepseekV2ForCausalLM, whose HF class has no
+    noaux_tc routing)."""
+    from hsx.model.families import family_of
+
+    text = text_config(config)
+    archs = text.get("architectures") if text is not config else None
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    family = family_of(config)
+    if family is not None and family.text_architecture is not None:
+        return family.text_architecture
+    return str(resolved.language_architecture)
 
 
 def run_preflight(
@@ -261,7 +345,8 @@ def probe_unless_blocked(
     blocking = [
         r
         for r in results
-        if r.status == Status.FAIL and r.check in ("config", "resolve", "contract", "engine")
+        if r.status == Status.FAIL
+        and r.check in ("config", "resolve", "contract", "family", "engine")
     ]
     if blocking:
         return CheckResult("probe", Status.FAIL, f"not run: {blocking[0].check} failed")

@@ -342,6 +342,26 @@ def check_set_aux_layers(model_cls: type) -> list[str]:
     return [line for line in lines if "positional argument 1: expected" not in line]
 
 
+def check_hsx_capture_sites(resolved: ResolvedArchitecture) -> list[str]:
+    """hsx's own capture hooks (hsx.engine.capture_models) read the decoder layer's
+    ``hidden_states`` and ``residual`` arguments by name: both must be parameters of its
+    forward, or the hooks would fail at the first step after the load."""
+    layer = resolved.decoder_layer_cls
+    if layer is None:
+        return [
+            f"{resolved.backbone_cls.__name__}: hsx's capture hooks expected one decoder-layer "
+            "class, found one chosen per layer at runtime"
+        ]
+    present = set(inspect.signature(getattr(layer, "forward")).parameters)  # noqa: B009
+    missing = [name for name in ("hidden_states", "residual") if name not in present]
+    if not missing:
+        return []
+    return [
+        f"{layer.__name__}.forward: hsx's capture hooks read {missing}; found parameters "
+        f"{sorted(present - {'self'})} ({inspect.getsourcefile(layer)})"
+    ]
+
+
 # --------------------------------------------------------------------------- the check
 
 
@@ -393,9 +413,15 @@ def check_signatures(
     kv_connector: type | None = None,
 ) -> CheckResult:
     """Every hsx call site against the real signatures; the KV connector against its base."""
+    from hsx.engine.capture_models import needs_hsx_capture
+
     lines: list[str] = []
-    lines += check_set_aux_layers(resolved.model_cls)
-    checked = ["set_aux_hidden_state_layers"]
+    if needs_hsx_capture([resolved.architecture]):
+        lines += check_hsx_capture_sites(resolved)
+        checked = ["hsx capture hooks"]
+    else:
+        lines += check_set_aux_layers(resolved.model_cls)
+        checked = ["set_aux_hidden_state_layers"]
     for key, site in call_sites.items():
         try:
             func, owner, model_call = _target(resolved, key)

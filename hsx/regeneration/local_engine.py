@@ -22,6 +22,7 @@ from typing import Any
 
 from hsx.engine.core_watch import watch_engine_core
 from hsx.engine.platform import request_amx
+from hsx.engine.vllm_compat import unscannable_module_attributes_hidden
 from hsx.errors import EngineError, RequestRefusedError
 from hsx.regeneration.turns import GeneratedText
 from settings import EngineSettings
@@ -78,7 +79,8 @@ class GenerationDriver:
                 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
             from vllm import LLM
 
-            self._llm = LLM(**self._kwargs)
+            with unscannable_module_attributes_hidden():  # numba's llvmlite: vllm_compat
+                self._llm = LLM(**self._kwargs)
         except BaseException as exc:
             self._stopped = True
             self._ready.set_exception(

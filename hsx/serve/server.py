@@ -315,6 +315,7 @@ def serve_preflight(settings: ServeSettings) -> tuple[PreflightReport, ServerPla
         settings.capture,
         settings.engine,
         require_weights=settings.engine.load_format != "dummy",
+        served=True,
     )
     plan: ServerPlan | None = None
     if "config" in context and context.get("layer_ids"):

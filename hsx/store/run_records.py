@@ -37,6 +37,25 @@ class RunAttempt:
         return f"{self.run_id}-attempt-{self.attempt}"
 
 
+def run_parity(settings: HsxSettings) -> dict[str, Any] | None:
+    """What this run's record says of its states' parity with HF (hsx.model.families): the
+    model's family, its status on vLLM's CPU build, whether preflight's probe compared it with
+    HF, and a warning when nothing established parity. None when config.json does not read:
+    the record is written all the same."""
+    import torch
+
+    from hsx.errors import ConfigError
+    from hsx.model.config import read_config
+    from hsx.model.families import parity_note
+
+    try:
+        config = read_config(settings.model)
+    except ConfigError:
+        return None
+    # The probe runs with preflight (a served engine's server ran it when it started).
+    return parity_note(config, settings.run.preflight, bool(torch.cuda.is_available()))
+
+
 def record_attempt(
     settings: HsxSettings, attempt: RunAttempt, status: str, fields: dict[str, Any]
 ) -> str:
@@ -54,6 +73,7 @@ def record_attempt(
         "code_version": code_version(),
         "settings": settings.model_dump(mode="json"),
         "recorded_at": now,
+        "parity": run_parity(settings),
         **fields,
     }
     if existing_store_meta(settings.store) is not None:

@@ -18,20 +18,34 @@ import torch
 from hsx.errors import ConfigError
 from hsx.model.config import read_config, text_config
 
-# The decoder's final norm: "model.norm.weight" (Llama, Qwen, DeepSeek-V3), nested under a
-# multimodal wrapper's language model (Kimi-K2.5: "language_model.model.norm.weight").
+# The decoder's final norm: "model.norm.weight" (Llama, Qwen, DeepSeek-V3, gpt-oss), nested under
+# a multimodal wrapper's language model (Kimi-K2.5, Llama-4: "language_model.model.norm.weight";
+# Gemma-3 as transformers 5 writes it: "model.language_model.norm.weight").
 _FINAL_NORM = re.compile(r"^(?:[\w.]*\.)?(?:model|language_model)\.norm\.weight$")
-# Models whose norm multiplies by (1 + weight): the plain RMSNorm below would be wrong.
-_OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+# Models whose norm multiplies by (1 + weight) in float32: Gemma's RMSNorm, and the zero-centred
+# RMSNorm of Qwen3-Next and Qwen3.5 (their HF modeling files, transformers 5.19).
+_OFFSET_NORM_TYPES = (
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+)
 
 
 @dataclass(frozen=True)
 class FinalNorm:
-    """RMSNorm of the model's last layer: ``x * rsqrt(mean(x^2) + eps) * weight`` in float32."""
+    """RMSNorm of the model's last layer: ``x * rsqrt(mean(x^2) + eps) * weight`` in float32,
+    or ``* (1 + weight)`` for Gemma's and Qwen3-Next's (``plus_one``)."""
 
     weight: torch.Tensor  # [H] float32
     eps: float
     source: str  # "<file>:<tensor name>", for the export's manifest
+    plus_one: bool = False
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
         """[..., H] any float dtype -> [..., H] float32."""
@@ -42,7 +56,8 @@ class FinalNorm:
                 f"{self.weight.shape[0]}, found {x.shape[-1]}"
             )
         variance = x.pow(2).mean(dim=-1, keepdim=True)
-        return x * torch.rsqrt(variance + self.eps) * self.weight
+        scale = 1.0 + self.weight if self.plus_one else self.weight
+        return x * torch.rsqrt(variance + self.eps) * scale
 
 
 def _weight_files(model_dir: Path) -> dict[str, str]:
@@ -66,11 +81,6 @@ def load_final_norm(model_dir: Path, config: dict[str, Any] | None = None) -> Fi
     config = config if config is not None else read_config(model_dir)
     text = text_config(config)
     model_type = str(text.get("model_type") or config.get("model_type") or "")
-    if model_type in _OFFSET_NORM_TYPES:
-        raise ConfigError(
-            f"{model_dir}: expected a model whose final norm is a plain RMSNorm, found "
-            f"model_type {model_type!r} (its norm scales by 1 + weight): export pre-norm states"
-        )
     eps = text.get("rms_norm_eps")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
         raise ConfigError(
@@ -84,6 +94,9 @@ def load_final_norm(model_dir: Path, config: dict[str, Any] | None = None) -> Fi
             "(a store made with load_format=dummy has no weights to export post-norm states from)"
         )
     candidates = sorted(name for name in files if _FINAL_NORM.match(name) and "layers." not in name)
+    if len(candidates) > 1:
+        # A multimodal wrapper: its text model's norm, not a vision tower's.
+        candidates = [name for name in candidates if "language_model." in name] or candidates
     if len(candidates) != 1:
         raise ConfigError(
             f"{model_dir}: expected exactly one final norm weight (e.g. 'model.norm.weight'), "
@@ -100,4 +113,6 @@ def load_final_norm(model_dir: Path, config: dict[str, Any] | None = None) -> Fi
             f"{model_dir}/{files[name]}:{name}: expected shape ({hidden},), found "
             f"{tuple(weight.shape)}"
         )
-    return FinalNorm(weight, float(eps), f"{files[name]}:{name}")
+    return FinalNorm(
+        weight, float(eps), f"{files[name]}:{name}", plus_one=model_type in _OFFSET_NORM_TYPES
+    )

@@ -164,10 +164,17 @@ def test_id_zero_is_valid_for_llama(llama: dict[str, Any]) -> None:
 
 @pytest.mark.vllm
 def test_contract_fails_without_eagle3_support() -> None:
-    config = {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 32}
+    config = {"architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 32}
     result = check_capture_contract(resolve_architecture(config), config, (2, 16))
     assert result.status == Status.FAIL
     assert "SupportsEagle3" in result.summary and "transformers reference path" in result.summary
+    # Mixtral lacks the interface too, and hsx's own hooks capture it (in this process only).
+    mixtral = {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 32}
+    resolved = resolve_architecture(mixtral)
+    hooked = check_capture_contract(resolved, mixtral, (2, 16))
+    assert hooked.status == Status.PASS and "captured by hsx's hooks" in hooked.summary
+    served = check_capture_contract(resolved, mixtral, (2, 16), "engine.url (hsx serve servers)")
+    assert served.status == Status.FAIL and "found engine.url" in served.summary
 
 
 # --------------------------------------------------------------------------- signatures

@@ -96,7 +96,10 @@ class StartCounter:
         for kind, count in sorted(starts.items()):
             extra = f" ({engine_seconds:.0f} s building them)" if kind == "vLLM engine core" else ""
             write(f"{kind}: {count}{extra}")
-        write("most engine starts: " + ", ".join(f"{t} {n}" for t, n in by_test.most_common(8)))
+        if not starts:
+            write("none")
+        if by_test:
+            write("most engine starts: " + ", ".join(f"{t} {n}" for t, n in by_test.most_common(8)))
 
 
 def install(config: pytest.Config) -> None:

@@ -1,0 +1,281 @@
+"""Next-token agreement of one chunk: the final captured layer through the target's own norm and
+head against the data's tokens, at shifts -1, 0 and +1 (alignment), split by loss mask, per
+sample; on greedy regenerated data, the exact check of every trained position, and what a
+failure looks like (another sample's states, another layer's).
+
+A position t is *loss-masked* when its next token t+1 is (the token a draft learns to predict
+from the state at t).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hsx.audit.head import OutputHead
+from hsx.audit.results import (
+    ERROR,
+    POSITION_BUCKETS,
+    SHIFTS,
+    Agreement,
+    ChunkAudit,
+    Finding,
+    Greediness,
+)
+from hsx.audit.scope import Window
+
+# An alignment verdict needs a shift whose top-1 rate is at least this, and this many times the
+# rate of every other shift: the data's own repeats (template tokens) never reach it by chance.
+MIN_DECISIVE_RATE = 0.1
+MIN_DECISIVE_RATIO = 2.0
+MIN_DECISIVE_POSITIONS = 16
+# A greedy failure is put down to another layer or another sample when that one agrees so.
+_DIAGNOSIS_RATE = 0.9
+
+
+@dataclass
+class Positions:
+    """The positions of one chunk whose next token is scored (flat, in window order)."""
+
+    rows: np.ndarray  # [n] absolute row of the state
+    samples: np.ndarray  # [n] sample index
+    offsets: np.ndarray  # [n] position within the sample
+    targets: torch.Tensor  # [n, 3] int64: token at row + 1 + shift, -1 outside the sample
+    masked: np.ndarray  # [n] bool: the next token is loss-masked
+    states: torch.Tensor  # [n, K, H] float32
+
+
+def gather_positions(
+    windows: list[Window],
+    states: list[torch.Tensor],
+    ids: np.ndarray,
+    mask: np.ndarray,
+    first_row: int,
+) -> Positions:
+    """``states``: per window ``[rows, K, H]`` float32; ``ids``/``mask``: the chunk's token rows
+    from ``first_row``."""
+    rows, samples, offsets, picked = [], [], [], []
+    for window, window_states in zip(windows, states, strict=True):
+        last = min(window.row_end, window.sample_end - 1)  # a next token exists
+        here = np.arange(window.row_start, last, dtype=np.int64)
+        rows.append(here)
+        samples.append(np.full(here.size, window.sample, dtype=np.int64))
+        offsets.append(here - window.sample_start)
+        picked.append(window_states[: here.size])
+    if not rows:
+        return Positions(
+            *(np.empty(0, np.int64),) * 3,
+            torch.empty((0, 3), dtype=torch.int64),
+            np.empty(0, bool),
+            torch.empty(0),
+        )
+    row = np.concatenate(rows)
+    sample_end = np.concatenate(
+        [np.full(r.size, w.sample_end, np.int64) for r, w in zip(rows, windows, strict=True)]
+    )
+    sample_start = row - np.concatenate(offsets)
+    targets = np.full((row.size, len(SHIFTS)), -1, dtype=np.int64)
+    for column, shift in enumerate(SHIFTS):
+        wanted = row + 1 + shift
+        inside = (wanted >= sample_start) & (wanted < sample_end)
+        targets[inside, column] = ids[wanted[inside] - first_row]
+    masked = mask[row + 1 - first_row].astype(bool)
+    return Positions(
+        row,
+        np.concatenate(samples),
+        np.concatenate(offsets),
+        torch.from_numpy(targets),
+        masked,
+        torch.cat(picked),
+    )
+
+
+def _bucket(offsets: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.asarray(POSITION_BUCKETS), offsets, side="right") - 1
+
+
+def _sums(
+    groups: np.ndarray, hit1: np.ndarray, hit5: np.ndarray, log_prob: np.ndarray, size: int
+) -> list[Agreement]:
+    """One Agreement per group index 0..size-1 of the positions given."""
+    positions = np.bincount(groups, minlength=size)
+    top1 = np.bincount(groups, weights=hit1, minlength=size)
+    top5 = np.bincount(groups, weights=hit5, minlength=size)
+    total = np.bincount(groups, weights=log_prob, minlength=size)
+    return [
+        Agreement(int(positions[i]), int(top1[i]), int(top5[i]), float(total[i]))
+        for i in range(size)
+    ]
+
+
+def score_positions(
+    head: OutputHead, found: Positions, audit: ChunkAudit, exact: bool, eps: float
+) -> tuple[list[int], str]:
+    """Agreement of the final captured layer at ``found``, added into ``audit`` (chunk,
+    samples, position buckets); with ``exact``, the greedy check: returns the samples whose
+    generated tokens the states do not predict, and the likely cause."""
+    finite = torch.isfinite(found.states[:, -1]).all(dim=1).numpy()  # NaN vectors: layer stats
+    keep = np.flatnonzero(finite)
+    scores = head.score(found.states[keep, -1], found.targets[keep])
+    targets = found.targets[keep]  # [n, 3]
+    top1 = scores.top[:, :1] == targets  # [n, 3]
+    top5 = (scores.top[:, :, None] == targets[:, None, :]).any(dim=1)  # [n, 3]
+    log_prob = scores.target_logit - scores.log_norm[:, None]  # [n, 3]
+    paired = (targets >= 0).all(dim=1).numpy()
+    hit1, hit5 = top1[:, 1].numpy(), top5[:, 1].numpy()
+    lp = log_prob[:, 1].double().numpy()
+    masked = found.masked[keep]
+    order = [s.sample for s in audit.sample_audits]
+    index = np.searchsorted(np.asarray(order), found.samples[keep])  # into sample_audits
+    buckets = _bucket(found.offsets[keep])
+    for group, members in ((masked, "masked"), (~masked, "other")):
+        for n, part in enumerate(
+            _sums(index[group], hit1[group], hit5[group], lp[group], len(order))
+        ):
+            getattr(audit.sample_audits[n], members).add(part)
+            getattr(audit, members).add(part)
+    for n, part in enumerate(_sums(buckets, hit1, hit5, lp, len(POSITION_BUCKETS))):
+        audit.by_position[n].add(part)
+    shift_hits = top1.numpy()[paired]  # [p, 3]
+    counts = np.bincount(index[paired], minlength=len(order))
+    for n, sample in enumerate(audit.sample_audits):
+        sample.shift_positions += int(counts[n])
+        hits = shift_hits[index[paired] == n].sum(axis=0)
+        sample.shift_hits = [a + int(b) for a, b in zip(sample.shift_hits, hits, strict=True)]
+    audit.shift_positions += int(paired.sum())
+    audit.shift_hits = [
+        a + int(b) for a, b in zip(audit.shift_hits, shift_hits.sum(axis=0), strict=True)
+    ]
+    if not exact:
+        return [], ""
+    return _check_greedy(head, found, keep, scores.top[:, 0], scores.top_logit, audit, eps)
+
+
+def _check_greedy(
+    head: OutputHead,
+    found: Positions,
+    keep: np.ndarray,
+    top: torch.Tensor,
+    top_logit: torch.Tensor,
+    audit: ChunkAudit,
+    eps: float,
+) -> tuple[list[int], str]:
+    """Every loss-masked position must predict its next token exactly (ties named as such)."""
+    masked = np.flatnonzero(found.masked[keep])
+    data = found.targets[keep][masked, 1]
+    wrong = np.flatnonzero((top[masked] != data).numpy())
+    states = found.states[keep[masked[wrong]], -1]
+    data_logit = head.score(states, data[wrong, None]).target_logit[:, 0]
+    margin = top_logit[masked[wrong]] - data_logit
+    tolerance = head.tie_tolerance(states, top[masked[wrong]], data[wrong], eps)
+    beyond = (margin > tolerance).numpy()
+    by_sample = {s.sample: s for s in audit.sample_audits}
+    counts: dict[int, Greediness] = {}
+    for i in masked:
+        sample = int(found.samples[keep[i]])
+        greedy = counts.setdefault(sample, Greediness())
+        greedy.positions += 1
+        greedy.agree += 1
+    for n, i in enumerate(masked[wrong]):
+        greedy = counts[int(found.samples[keep[i]])]
+        greedy.agree -= 1
+        if beyond[n]:
+            greedy.disagree += 1
+            greedy.worst_margin = max(greedy.worst_margin, float(margin[n]))
+        else:
+            greedy.ties += 1
+    for sample, greedy in counts.items():
+        by_sample[sample].greedy = greedy
+        audit.greedy.add(greedy)
+    failing = sorted(s for s, g in counts.items() if g.disagree)
+    if not failing:
+        return [], ""
+    # The likely cause: the states of another layer or another sample predict them.
+    cause = _other_layer(head, found, keep, failing) or _swapped(head, found, keep, failing)
+    return failing, cause
+
+
+def greedy_finding(audit: ChunkAudit, failing: list[int], causes: list[str]) -> Finding:
+    """The finding for samples of a chunk whose generated tokens the states do not predict."""
+    by_sample = {s.sample: s for s in audit.sample_audits}
+    listed = ", ".join(
+        f"sample {s} ({by_sample[s].greedy.disagree} of {by_sample[s].greedy.positions})"
+        for s in failing[:10]
+    )
+    total = audit.greedy
+    cause = "; ".join(c for c in causes if c)
+    return Finding(
+        ERROR,
+        "greedy-disagreement",
+        f"chunk {audit.chunk}: {total.disagree} of {total.positions} generated positions do not "
+        f"predict the next token as the target did (expected every one, the data being its "
+        f"greedy output; largest margin {total.worst_margin:.4g}): {listed}"
+        + (f". {cause}" if cause else ""),
+        [audit.chunk],
+        failing,
+    )
+
+
+def _greedy_rows(found: Positions, keep: np.ndarray, samples: list[int]) -> np.ndarray:
+    """Indices into ``found`` of the loss-masked, finite positions of ``samples``."""
+    chosen = keep[found.masked[keep]]
+    return chosen[np.isin(found.samples[chosen], samples)]
+
+
+def _other_layer(head: OutputHead, found: Positions, keep: np.ndarray, failing: list[int]) -> str:
+    """Names the captured slot whose states predict the failing samples' generated tokens."""
+    rows = _greedy_rows(found, keep, failing)
+    layers = found.states.shape[1]
+    for slot in range(layers - 1):
+        states = found.states[rows, slot]
+        if not bool(torch.isfinite(states).all()):
+            continue
+        top = head.score(states, found.targets[rows][:, 1:2]).top[:, 0]
+        rate = float((top == found.targets[rows][:, 1]).float().mean()) if rows.size else 0.0
+        if rate >= _DIAGNOSIS_RATE:
+            return (
+                f"Layer slot {slot} predicts them ({rate:.0%}): the layers are stored in the "
+                "wrong order (the final state is not the last captured layer)"
+            )
+    return ""
+
+
+def _swapped(head: OutputHead, found: Positions, keep: np.ndarray, failing: list[int]) -> str:
+    """Names failing samples whose states predict another failing sample's generated tokens
+    (at the same positions within the samples)."""
+    tops: dict[int, dict[int, int]] = {}  # sample -> position within it -> the head's choice
+    for sample in failing:
+        rows = keep[found.samples[keep] == sample]
+        top = head.score(found.states[rows, -1], found.targets[rows][:, 1:2]).top[:, 0]
+        tops[sample] = dict(zip(found.offsets[rows].tolist(), top.tolist(), strict=True))
+    pairs = []
+    for a in failing:
+        for b in failing:
+            rows = _greedy_rows(found, keep, [b])
+            common = [
+                (tops[a][offset], int(token))
+                for offset, token in zip(
+                    found.offsets[rows].tolist(), found.targets[rows, 1], strict=True
+                )
+                if offset in tops[a]
+            ]
+            if a == b or not common:
+                continue
+            if sum(x == y for x, y in common) / len(common) >= _DIAGNOSIS_RATE:
+                pairs.append(f"sample {a} holds the states of sample {b}")
+    return "; ".join(pairs)
+
+
+def alignment_verdict(hits: list[int], positions: int) -> tuple[str, int | None]:
+    """("aligned", 0), ("shifted", k) or ("undecided", None) from top-1 hits at SHIFTS."""
+    if positions < MIN_DECISIVE_POSITIONS:
+        return "undecided", None
+    rates = [h / positions for h in hits]
+    best = max(range(len(SHIFTS)), key=lambda i: rates[i])
+    second = max(r for i, r in enumerate(rates) if i != best)
+    if rates[best] >= MIN_DECISIVE_RATE and rates[best] >= MIN_DECISIVE_RATIO * second:
+        shift = SHIFTS[best]
+        return ("aligned" if shift == 0 else "shifted"), shift
+    return "undecided", None

@@ -8,7 +8,7 @@ Callers use ``StoreAudit`` (checks before work, then chunk by chunk), ``audit_st
 in one thread) and ``AuditReport``; ``render`` gives its text."""
 
 from hsx.audit.head import HeadSource, OutputHead
-from hsx.audit.render import markdown, summary_lines
+from hsx.audit.render import brief, finding_lines, markdown, summary_lines
 from hsx.audit.report import AuditReport
 from hsx.audit.results import ERROR, NOTE, WARNING, ChunkAudit, Finding
 from hsx.audit.run import StoreAudit, audit_store
@@ -24,6 +24,8 @@ __all__ = [
     "OutputHead",
     "StoreAudit",
     "audit_store",
+    "brief",
+    "finding_lines",
     "markdown",
     "summary_lines",
 ]

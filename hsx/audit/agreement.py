@@ -116,8 +116,10 @@ def score_positions(
     """Agreement of the final captured layer at ``found``, added into ``audit`` (chunk,
     samples, position buckets); with ``exact``, the greedy check: returns the samples whose
     generated tokens the states do not predict, and the likely cause."""
-    finite = torch.isfinite(found.states[:, -1]).all(dim=1).numpy()  # NaN vectors: layer stats
-    keep = np.flatnonzero(finite)
+    final = found.states[:, -1]  # [n, H]
+    # NaN, inf and all-zero vectors score nothing: the layer statistics name them.
+    usable = torch.isfinite(final).all(dim=1) & (final != 0).any(dim=1)
+    keep = np.flatnonzero(usable.numpy())
     scores = head.score(found.states[keep, -1], found.targets[keep])
     targets = found.targets[keep]  # [n, 3]
     top1 = scores.top[:, :1] == targets  # [n, 3]

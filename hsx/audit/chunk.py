@@ -141,7 +141,7 @@ def shift_findings(audit: ChunkAudit) -> list[Finding]:
                 ERROR,
                 "shifted",
                 f"chunk {audit.chunk}: states are shifted by {shift:+d} (the state at row t "
-                f"predicts token t{1 + (shift or 0):+d}, expected t+1; top-1 by shift {rates})",
+                f"predicts token {_token(shift)}, expected t+1; top-1 by shift {rates})",
                 [audit.chunk],
                 shifted,
             )
@@ -155,10 +155,16 @@ def shift_findings(audit: ChunkAudit) -> list[Finding]:
                     ERROR,
                     "shifted",
                     f"chunk {audit.chunk}, sample {sample.sample}: states are shifted by "
-                    f"{shift:+d} (the state at row t predicts token t{1 + (shift or 0):+d}; top-1 "
+                    f"{shift:+d} (the state at row t predicts token {_token(shift)}; top-1 "
                     f"by shift {[h for h in sample.shift_hits]} of {sample.shift_positions})",
                     [audit.chunk],
                     [sample.sample],
                 )
             )
     return found
+
+
+def _token(shift: int | None) -> str:
+    """Which token the state at row t predicts at ``shift``: "t", "t+1", "t+2"."""
+    offset = 1 + (shift or 0)
+    return "t" if offset == 0 else f"t{offset:+d}"

@@ -56,15 +56,20 @@ class HeadSource:
     compute_dtype: str
 
 
-def _head_tensor(
-    model_dir: Path, files: dict[str, str], config: dict[str, Any]
-) -> tuple[str, bool]:
-    """(tensor name, tied) of the LM head; ConfigError naming what was looked for."""
+def find_head(model_dir: Path, config: dict[str, Any]) -> tuple[str, str, bool]:
+    """(file, tensor name, tied) of the LM head in the model's safetensors, without reading it;
+    ConfigError naming what was looked for when there is none."""
+    files = weight_files(model_dir)
+    if not files:
+        raise ConfigError(
+            f"{model_dir}: no LM head weights found: expected safetensors holding the final "
+            "norm and LM head, found no safetensors files (a dummy-weight model?)"
+        )
     heads = sorted(n for n in files if _LM_HEAD.match(n) and "layers." not in n)
     if len(heads) > 1:
         raise ConfigError(f"{model_dir}: expected one LM head weight, found {heads}")
     if heads:
-        return heads[0], False
+        return files[heads[0]], heads[0], False
     text = text_config(config)
     tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
     embeddings = sorted(n for n in files if _EMBEDDINGS.match(n) and "layers." not in n)
@@ -75,7 +80,7 @@ def _head_tensor(
             f"embeddings, one 'model.embed_tokens.weight'), found neither among {len(files)} "
             f"tensors ({why})"
         )
-    return embeddings[0], True  # tied, said so, or unsaid and no head stored
+    return files[embeddings[0]], embeddings[0], True  # tied, said so or unsaid
 
 
 def _read_tensor(model_dir: Path, file: str, name: str) -> torch.Tensor:
@@ -118,25 +123,19 @@ class OutputHead:
     def load(cls, model_dir: Path, config: dict[str, Any], device: str = "auto") -> OutputHead:
         """Read the norm and head of ``model_dir`` (ConfigError before any state is read when
         either is missing or has the wrong shape)."""
-        files = weight_files(model_dir)
-        if not files:
-            raise ConfigError(
-                f"{model_dir}: no LM head weights found: expected safetensors holding the "
-                "final norm and LM head, found no safetensors files (a dummy-weight model?)"
-            )
-        name, tied = _head_tensor(model_dir, files, config)
+        file, name, tied = find_head(model_dir, config)
         norm = load_final_norm(model_dir, config)
-        weight = _read_tensor(model_dir, files[name], name)
+        weight = _read_tensor(model_dir, file, name)
         text = text_config(config)
         vocab, hidden = int(text.get("vocab_size") or weight.shape[0]), int(text["hidden_size"])
         if weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] < vocab:
             raise ConfigError(
-                f"{model_dir}/{files[name]}:{name}: expected an LM head of shape "
+                f"{model_dir}/{file}:{name}: expected an LM head of shape "
                 f"({vocab}, {hidden}), found {tuple(weight.shape)}"
             )
         if weight.dtype not in _HEAD_DTYPES:
             raise ConfigError(
-                f"{model_dir}/{files[name]}:{name}: expected a float32, bfloat16 or float16 "
+                f"{model_dir}/{file}:{name}: expected a float32, bfloat16 or float16 "
                 f"LM head, found {weight.dtype} (a quantized head is not read)"
             )
         weight = weight[:vocab]  # a padded head's extra rows are never sampled
@@ -150,7 +149,7 @@ class OutputHead:
             weight = weight.to(target, torch.float32 if wide else torch.bfloat16)
         norm = replace(norm, weight=norm.weight.to(target))
         compute = "float32" if target.type == "cpu" else str(weight.dtype).removeprefix("torch.")
-        source = HeadSource(f"{files[name]}:{name}", tied, norm.source, vocab, str(target), compute)
+        source = HeadSource(f"{file}:{name}", tied, norm.source, vocab, str(target), compute)
         return cls(norm, weight, source)
 
     @property

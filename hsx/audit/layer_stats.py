@@ -213,8 +213,12 @@ class LayerScan:
                 if usable.numel() < 8:
                     continue
                 median = float(usable.median())
-                ratio = values / median
-                odd = inside[((ratio > OUTLIER_FACTOR) | (ratio < 1 / OUTLIER_FACTOR)).numpy()]
+                ratio = values / median  # zero and NaN vectors are named as such, not here
+                odd = inside[
+                    (
+                        (ratio > OUTLIER_FACTOR) | ((ratio < 1 / OUTLIER_FACTOR) & (ratio > 0))
+                    ).numpy()
+                ]
                 for i in odd.tolist():
                     hit_samples.add(int(samples[i]))
                     where.append(

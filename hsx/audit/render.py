@@ -68,6 +68,25 @@ def summary_lines(report: AuditReport) -> list[str]:
     return lines
 
 
+def brief(report: AuditReport) -> str:
+    """One line: the outcome, alignment and agreement (a run's summary, `hsx runs`)."""
+    state = "ok" if report.ok else f"{len(report.errors)} errors"
+    both = Agreement()
+    both.add(report.masked)
+    both.add(report.other)
+    top1 = both.rate()
+    masked = report.masked.rate()
+    scored = (
+        f", top-1 {top1:.3f} ({masked:.3f} loss-masked)"
+        if top1 is not None and masked is not None
+        else ""
+    )
+    return (
+        f"{state}: {report.alignment.split(' (')[0]}{scored}, {report.rows_read:,} rows of "
+        f"{report.chunks_audited} chunks"
+    )
+
+
 def finding_lines(report: AuditReport) -> list[str]:
     lines = [f"[{f.severity}] {f.message}" for f in report.findings[:_LISTED_FINDINGS]]
     if len(report.findings) > _LISTED_FINDINGS:

@@ -32,6 +32,9 @@ from hsx.audit.results import (
 # (over chunks) holds other states (layers in another order, another model's).
 PROFILE_FACTOR = 2.0
 MIN_CHUNKS_FOR_PROFILE = 3
+# Findings that say the states do not line up with their tokens: they fail an extraction's
+# end-of-run audit (the others are recorded).
+ALIGNMENT_KINDS = ("shifted", "rows-short")
 
 
 @dataclass
@@ -71,6 +74,10 @@ class AuditReport:
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    @property
+    def alignment_failures(self) -> list[Finding]:
+        return [f for f in self.errors if f.kind in ALIGNMENT_KINDS]
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

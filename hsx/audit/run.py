@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hsx.audit.chunk import AuditContext, audit_chunk
 from hsx.audit.data_shape import DataShape, data_shape
-from hsx.audit.head import OutputHead
+from hsx.audit.head import OutputHead, find_head
 from hsx.audit.layer_stats import POST_NORM_TOLERANCE
 from hsx.audit.report import AuditReport, merge
 from hsx.audit.results import ChunkAudit
@@ -101,6 +101,19 @@ class StoreAudit:
         merge(report, audits)
         report.seconds = round(seconds, 3)
         return report
+
+
+def check_inputs(store: str, model: str | Path | None, positions: int, samples: str | None) -> None:
+    """What StoreAudit refuses, in seconds and without reading the head (the CLI asks before a
+    Prefect server starts): the store and its commits, the range, the model folder against the
+    store's config digest, the final norm and the LM head's presence."""
+    reader = HiddenStatesReader(store)
+    select_chunks(reader, positions, samples)
+    folder, config = store_model_folder(model, reader.store.meta, "audit")
+    find_head(folder, config)
+    from hsx.trainers.final_norm import load_final_norm
+
+    load_final_norm(folder, config)  # [H]: small
 
 
 def _largest_id(reader: HiddenStatesReader, scopes: list[ChunkScope]) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 
 from hsx.audit.data_shape import COVERAGE_EDGES, LENGTH_EDGES
 from hsx.audit.report import AuditReport
-from hsx.audit.results import POSITION_BUCKETS
+from hsx.audit.results import POSITION_BUCKETS, bucket_name
 
 PLOTS = ("agreement", "norms", "lengths", "coverage")
 _SIZE = (6.4, 3.6)
@@ -39,12 +39,7 @@ def _png(figure: Any) -> bytes:
 
 
 def _bucket_labels() -> list[str]:
-    edges = [*POSITION_BUCKETS, None]
-    return [
-        str(low) if high == low + 1 else (f"{low}-{high - 1}" if high else f"{low}+")
-        for low, high in zip(edges[:-1], edges[1:], strict=True)
-        if low is not None
-    ]
+    return [bucket_name(i) for i in range(len(POSITION_BUCKETS))]
 
 
 def agreement_plot(report: AuditReport) -> bytes:

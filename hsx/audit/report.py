@@ -26,6 +26,7 @@ from hsx.audit.results import (
     Finding,
     Greediness,
     LayerStats,
+    bucket_name,
 )
 
 # A chunk whose median norm of a layer is this many times off the store's median of that layer
@@ -166,16 +167,8 @@ def _percentiles(layer: LayerStats) -> dict[str, Any]:
     for bucket, counts in enumerate(layer.norm_histogram):
         values = np.asarray(counts)
         if values.sum():
-            rows[_bucket_name(bucket)] = {q: _percentile(values, q) for q in (1, 50, 99)}
+            rows[bucket_name(bucket)] = {q: _percentile(values, q) for q in (1, 50, 99)}
     return {"layer_id": layer.layer_id, "by_position": rows}
-
-
-def _bucket_name(bucket: int) -> str:
-    low = POSITION_BUCKETS[bucket]
-    high = POSITION_BUCKETS[bucket + 1] if bucket + 1 < len(POSITION_BUCKETS) else None
-    if high == low + 1:
-        return str(low)
-    return f"{low}-{high - 1}" if high is not None else f"{low}+"
 
 
 def _profile_findings(audits: list[ChunkAudit]) -> list[Finding]:

@@ -13,6 +13,17 @@ POSITION_BUCKETS = (0, 1, 16, 128, 1024)  # bucket i: [edge i, edge i+1)
 # Norm histograms: log10(norm) in NORM_BINS equal bins over [NORM_LOG_MIN, NORM_LOG_MAX), plus an
 # underflow and an overflow bin at either end (all-zero vectors are counted apart).
 NORM_LOG_MIN, NORM_LOG_MAX, NORM_BINS = -6.0, 6.0, 480
+
+
+def bucket_name(bucket: int) -> str:
+    """ "0", "1-15", ..., "1024+": the positions of POSITION_BUCKETS[bucket]."""
+    low = POSITION_BUCKETS[bucket]
+    high = POSITION_BUCKETS[bucket + 1] if bucket + 1 < len(POSITION_BUCKETS) else None
+    if high is None:
+        return f"{low}+"
+    return str(low) if high == low + 1 else f"{low}-{high - 1}"
+
+
 ERROR, WARNING, NOTE = "error", "warning", "note"
 
 

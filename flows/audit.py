@@ -15,6 +15,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from hsx.audit import AuditReport, ChunkAudit, StoreAudit, brief, finding_lines, markdown
@@ -122,6 +123,15 @@ def _publish(report: AuditReport, images: dict[str, bytes], out: str | None) -> 
     if rows:
         create_table_artifact(rows, key="hsx-audit-chunks", description=brief(report))
     create_markdown_artifact(markdown(report, images), key="hsx-audit", description=brief(report))
+    summary = {
+        "attempt": int(flow_run.get_run_count() or 1),
+        "status": "completed" if report.ok else "failed",
+        "model": report.model,
+        "store": report.store,
+        "seconds": report.seconds,
+        "audit": brief(report),
+    }
+    create_table_artifact([summary], key="hsx-run-summary", description=summary["status"])
     if out is None:
         return
     fs, root = fs_and_root(out)

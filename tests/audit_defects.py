@@ -91,16 +91,17 @@ def zero_layer(url: str, slot: int = 1) -> Planted:
 
 
 def swap_samples(url: str) -> Planted:
-    """Two samples of one chunk hold each other's states (over the shorter one's length)."""
+    """Two samples of one chunk hold each other's states over the shorter one's length, at
+    their ends (where the assistant turns are)."""
     store = ExtractionStore.open(url)
     chunk, samples = _chunk_with_samples(store)
     a, b = samples[0], samples[1]
-    (a0, a1), (b0, b1) = _bounds(store, a), _bounds(store, b)
-    n = min(a1 - a0, b1 - b0)
+    (_, a1), (_, b1) = _bounds(store, a), _bounds(store, b)
+    n = min(a1 - _bounds(store, a)[0], b1 - _bounds(store, b)[0])
     states = _states(url)
-    first, second = np.asarray(states[a0 : a0 + n]), np.asarray(states[b0 : b0 + n])
-    states[a0 : a0 + n] = second
-    states[b0 : b0 + n] = first
+    first, second = np.asarray(states[a1 - n : a1]), np.asarray(states[b1 - n : b1])
+    states[a1 - n : a1] = second
+    states[b1 - n : b1] = first
     _recommit(url, chunk)
     return Planted(chunk, (a, b))
 

@@ -33,6 +33,7 @@ MIN_DECISIVE_RATIO = 2.0
 MIN_DECISIVE_POSITIONS = 16
 # A greedy failure is put down to another layer or another sample when that one agrees so.
 _DIAGNOSIS_RATE = 0.9
+_MAX_CANDIDATES = 256  # samples of a chunk whose tokens a failing sample's states are tried on
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Positions:
     rows: np.ndarray  # [n] absolute row of the state
     samples: np.ndarray  # [n] sample index
     offsets: np.ndarray  # [n] position within the sample
+    ends: np.ndarray  # [n] position counted from the sample's end (-1: its last row)
     targets: torch.Tensor  # [n, 3] int64: token at row + 1 + shift, -1 outside the sample
     masked: np.ndarray  # [n] bool: the next token is loss-masked
     states: torch.Tensor  # [n, K, H] float32
@@ -56,21 +58,19 @@ def gather_positions(
 ) -> Positions:
     """``states``: per window ``[rows, K, H]`` float32; ``ids``/``mask``: the chunk's token rows
     from ``first_row``."""
-    rows, samples, offsets, picked = [], [], [], []
+    rows, samples, offsets, ends, picked = [], [], [], [], []
     for window, window_states in zip(windows, states, strict=True):
         last = min(window.row_end, window.sample_end - 1)  # a next token exists
         here = np.arange(window.row_start, last, dtype=np.int64)
         rows.append(here)
         samples.append(np.full(here.size, window.sample, dtype=np.int64))
         offsets.append(here - window.sample_start)
+        ends.append(here - window.sample_end)
         picked.append(window_states[: here.size])
     if not rows:
-        return Positions(
-            *(np.empty(0, np.int64),) * 3,
-            torch.empty((0, 3), dtype=torch.int64),
-            np.empty(0, bool),
-            torch.empty(0),
-        )
+        empty = np.empty(0, np.int64)
+        no_targets = torch.empty((0, len(SHIFTS)), dtype=torch.int64)
+        return Positions(empty, empty, empty, empty, no_targets, np.empty(0, bool), torch.empty(0))
     row = np.concatenate(rows)
     sample_end = np.concatenate(
         [np.full(r.size, w.sample_end, np.int64) for r, w in zip(rows, windows, strict=True)]
@@ -86,6 +86,7 @@ def gather_positions(
         row,
         np.concatenate(samples),
         np.concatenate(offsets),
+        np.concatenate(ends),
         torch.from_numpy(targets),
         masked,
         torch.cat(picked),
@@ -245,28 +246,33 @@ def _other_layer(head: OutputHead, found: Positions, keep: np.ndarray, failing: 
 
 
 def _swapped(head: OutputHead, found: Positions, keep: np.ndarray, failing: list[int]) -> str:
-    """Names failing samples whose states predict another failing sample's generated tokens
-    (at the same positions within the samples)."""
-    tops: dict[int, dict[int, int]] = {}  # sample -> position within it -> the head's choice
+    """Names failing samples whose states predict another sample's generated tokens, at the
+    same positions counted from the samples' starts or from their ends (a swap of rows of two
+    samples of different lengths keeps one or the other)."""
+    tops: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
     for sample in failing:
         rows = keep[found.samples[keep] == sample]
-        top = head.score(found.states[rows, -1], found.targets[rows][:, 1:2]).top[:, 0]
-        tops[sample] = dict(zip(found.offsets[rows].tolist(), top.tolist(), strict=True))
+        top = head.score(found.states[rows, -1], found.targets[rows][:, 1:2]).top[:, 0].tolist()
+        tops[sample] = (
+            dict(zip(found.offsets[rows].tolist(), top, strict=True)),
+            dict(zip(found.ends[rows].tolist(), top, strict=True)),
+        )
+    candidates = sorted(set(found.samples[keep].tolist()))[:_MAX_CANDIDATES]
     pairs = []
     for a in failing:
-        for b in failing:
+        for b in candidates:
             rows = _greedy_rows(found, keep, [b])
-            common = [
-                (tops[a][offset], int(token))
-                for offset, token in zip(
-                    found.offsets[rows].tolist(), found.targets[rows, 1], strict=True
-                )
-                if offset in tops[a]
-            ]
-            if a == b or not common:
-                continue
-            if sum(x == y for x, y in common) / len(common) >= _DIAGNOSIS_RATE:
-                pairs.append(f"sample {a} holds the states of sample {b}")
+            tokens = found.targets[rows, 1].tolist()
+            for where, table in zip((found.offsets, found.ends), tops[a], strict=True):
+                common = [
+                    (table[k], t)
+                    for k, t in zip(where[rows].tolist(), tokens, strict=True)
+                    if k in table
+                ]
+                hits = sum(x == y for x, y in common)
+                if a != b and len(common) >= 4 and hits >= _DIAGNOSIS_RATE * len(common):
+                    pairs.append(f"sample {a} holds the states of sample {b}")
+                    break
     return "; ".join(pairs)
 
 

@@ -18,7 +18,7 @@ from hsx.audit.agreement import (
     score_positions,
 )
 from hsx.audit.head import OutputHead
-from hsx.audit.layer_stats import LayerScan, post_norm_finding
+from hsx.audit.layer_stats import POST_NORM_FRACTION, LayerScan, post_norm_finding
 from hsx.audit.results import ERROR, SHIFTS, ChunkAudit, Finding, SampleAudit
 from hsx.audit.scope import ChunkScope, Window
 from hsx.store.fp8_states import SCALES_ARRAY
@@ -99,6 +99,7 @@ def audit_chunk(context: AuditContext, scope: ChunkScope) -> ChunkAudit:
     scoring = context.head is not None and context.final_layer
     failing: list[int] = []
     causes: list[str] = []
+    post_norm: dict[int, list[int]] = {}  # sample -> [vectors that look post-norm, vectors]
     row_bytes = len(context.layer_ids) * int(store.meta["hidden_size"]) * 4
     for group in _groups(scope.windows, row_bytes):
         states = _read_states(store, group)
@@ -110,14 +111,22 @@ def audit_chunk(context: AuditContext, scope: ChunkScope) -> ChunkAudit:
         failing += wrong
         causes.append(cause)
         ratio = context.head.post_norm_ratio(torch.cat([s[:, -1] for s, _ in states]))
-        audit.post_norm_vectors += int(((ratio - 1).abs() <= context.post_norm_tolerance).sum())
+        post = ((ratio - 1).abs() <= context.post_norm_tolerance).numpy()  # [rows]
+        audit.post_norm_vectors += int(post.sum())
+        first = 0
+        for window, (rows, _) in zip(group, states, strict=True):
+            counts = post_norm.setdefault(window.sample, [0, 0])
+            counts[0] += int(post[first : first + rows.shape[0]].sum())
+            counts[1] += rows.shape[0]
+            first += rows.shape[0]
     audit.findings += scan.finish()
     if failing:
         audit.findings.append(greedy_finding(audit, sorted(set(failing)), causes))
     if scoring:
         final = context.layer_ids[-1]
-        post_norm = post_norm_finding(audit, final, context.post_norm_tolerance)
-        audit.findings += [post_norm] if post_norm else []
+        samples = [s for s, (post, n) in post_norm.items() if post >= POST_NORM_FRACTION * n]
+        finding = post_norm_finding(audit, final, context.post_norm_tolerance, samples)
+        audit.findings += [finding] if finding else []
         audit.findings += shift_findings(audit)
     audit.seconds = time.perf_counter() - started
     return audit

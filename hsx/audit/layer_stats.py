@@ -239,7 +239,9 @@ class LayerScan:
         return found
 
 
-def post_norm_finding(audit: ChunkAudit, layer_id: int, tolerance: float) -> Finding | None:
+def post_norm_finding(
+    audit: ChunkAudit, layer_id: int, tolerance: float, samples: list[int]
+) -> Finding | None:
     """The chunk's final captured layer stored after the final norm (see head.post_norm_ratio)."""
     vectors = audit.layers[-1].vectors if audit.layers else 0
     if not vectors or audit.post_norm_vectors < POST_NORM_FRACTION * vectors:
@@ -252,4 +254,5 @@ def post_norm_finding(audit: ChunkAudit, layer_id: int, tolerance: float) -> Fin
         f"{vectors} vectors (expected the pre-norm residual stream, vLLM's id {layer_id}: the "
         "final norm was applied to the stored state; a trainer would apply it twice)",
         [audit.chunk],
+        sorted(samples)[:1000],
     )

@@ -192,7 +192,9 @@ def _extract_planned(
         # A sample of what was just written, through the model's own head: states that do
         # not line up with their tokens fail the run here (AuditFailedError, recorded).
         stage.name = "audit"
+        audit_started = time.perf_counter()
         summary.update(run_audit_task(settings))
+        summary["audit_seconds"] = round(time.perf_counter() - audit_started, 3)  # task's too
         summary["wall_seconds"] = round(time.perf_counter() - started, 2)
     return _report_end(settings, attempt, stage, plan, tally, summary, verification)
 

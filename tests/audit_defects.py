@@ -13,6 +13,7 @@ import numpy as np
 import zarr
 
 from hsx.store.checksums import digest
+from hsx.store.fp8_states import SCALES_ARRAY
 from hsx.store.zarr_store import COMMITS_DIR, ExtractionStore
 
 
@@ -48,6 +49,14 @@ def _states(url: str) -> zarr.Array:
     return node
 
 
+def _scales(url: str) -> zarr.Array | None:
+    """An fp8 store's scales ``[T, K]`` (a vector reads as its fp8 bits times its scale)."""
+    group = zarr.open_group(url, mode="r+")
+    node = group.get(SCALES_ARRAY, None)
+    assert node is None or isinstance(node, zarr.Array)
+    return node
+
+
 def _recommit(url: str, chunk: int) -> None:
     """The chunk's commit record with the checksums of its objects as they are now."""
     store = ExtractionStore.open(url)
@@ -55,10 +64,11 @@ def _recommit(url: str, chunk: int) -> None:
     step = store.rows_per_chunk
     path = Path(url, COMMITS_DIR, f"chunk-{chunk:06d}.json")
     record = json.loads(path.read_text())
-    record["checksums"]["hidden_states"] = [
-        digest(store.read_rows("hidden_states", row, row + step))
-        for row in range(work.row_start, work.row_end, step)
-    ]
+    for name in store.state_arrays:
+        record["checksums"][name] = [
+            digest(store.read_rows(name, row, row + step))
+            for row in range(work.row_start, work.row_end, step)
+        ]
     path.write_text(json.dumps(record, indent=1, sort_keys=True))
 
 
@@ -78,14 +88,15 @@ def shift_states(url: str) -> Planted:
 
 
 def zero_layer(url: str, slot: int = 1) -> Planted:
-    """One captured layer all zeros over one chunk."""
+    """One captured layer all zeros over one chunk (fp8 stores: its scales)."""
     store = ExtractionStore.open(url)
     chunk, samples = _chunk_with_samples(store)
     work = store.work_chunks[chunk]
-    states = _states(url)
-    rows = np.asarray(states[work.row_start : work.row_end])
+    scales = _scales(url)
+    target = _states(url) if scales is None else scales
+    rows = np.asarray(target[work.row_start : work.row_end])
     rows[:, slot] = 0
-    states[work.row_start : work.row_end] = rows
+    target[work.row_start : work.row_end] = rows
     _recommit(url, chunk)
     return Planted(chunk, tuple(samples))
 
@@ -107,14 +118,15 @@ def swap_samples(url: str) -> Planted:
 
 
 def nan_vector(url: str, slot: int = 0, position: int = 3) -> Planted:
-    """One NaN vector: one layer at one position of one sample."""
+    """One NaN vector: one layer at one position of one sample (fp8 stores: its scale)."""
     store = ExtractionStore.open(url)
     chunk, samples = _chunk_with_samples(store)
     first, _ = _bounds(store, samples[-1])
-    states = _states(url)
-    row = np.asarray(states[first + position : first + position + 1])
+    scales = _scales(url)
+    target = _states(url) if scales is None else scales
+    row = np.asarray(target[first + position : first + position + 1])
     row[0, slot] = np.nan
-    states[first + position : first + position + 1] = row
+    target[first + position : first + position + 1] = row
     _recommit(url, chunk)
     return Planted(chunk, (samples[-1],))
 

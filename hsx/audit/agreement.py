@@ -141,19 +141,26 @@ def score_positions(
             getattr(audit, members).add(part)
     for n, part in enumerate(_sums(buckets, hit1, hit5, lp, len(POSITION_BUCKETS))):
         audit.by_position[n].add(part)
-    shift_hits = top1.numpy()[paired]  # [p, 3]
-    counts = np.bincount(index[paired], minlength=len(order))
-    for n, sample in enumerate(audit.sample_audits):
-        sample.shift_positions += int(counts[n])
-        hits = shift_hits[index[paired] == n].sum(axis=0)
-        sample.shift_hits = [a + int(b) for a, b in zip(sample.shift_hits, hits, strict=True)]
-    audit.shift_positions += int(paired.sum())
-    audit.shift_hits = [
-        a + int(b) for a, b in zip(audit.shift_hits, shift_hits.sum(axis=0), strict=True)
-    ]
+    _add_shifts(audit, index[paired], top1.numpy()[paired])
     if not exact:
         return [], ""
     return _check_greedy(head, found, keep, scores.top[:, 0], scores.top_logit, audit, eps)
+
+
+def _add_shifts(audit: ChunkAudit, index: np.ndarray, hits: np.ndarray) -> None:
+    """Top-1 ``hits [p, 3]`` at SHIFTS of positions where every shift has a target, by sample
+    (``index`` into audit.sample_audits) and for the chunk."""
+    per_sample = np.zeros((len(audit.sample_audits), len(SHIFTS)), dtype=np.int64)
+    np.add.at(per_sample, index, hits.astype(np.int64))
+    counts = np.bincount(index, minlength=len(audit.sample_audits))
+    for n, sample in enumerate(audit.sample_audits):
+        sample.shift_positions += int(counts[n])
+        sample.shift_hits = [
+            a + int(b) for a, b in zip(sample.shift_hits, per_sample[n], strict=True)
+        ]
+    audit.shift_positions += int(index.size)
+    total = per_sample.sum(axis=0)
+    audit.shift_hits = [a + int(b) for a, b in zip(audit.shift_hits, total, strict=True)]
 
 
 def _check_greedy(

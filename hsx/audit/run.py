@@ -5,7 +5,6 @@ report."""
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -20,8 +19,6 @@ from hsx.errors import ConfigError
 from hsx.model.config import text_config
 from hsx.store.reader import HiddenStatesReader
 from hsx.trainers.final_norm import store_model_folder
-
-logger = logging.getLogger(__name__)
 
 # Relative error of a stored element, by the store's dtype: what the greedy check's ties allow
 # (float32 also covers two runs' batches summing in another order).

@@ -50,7 +50,7 @@ class StoreAuditFailedError(RuntimeError):
 def audit_flow(
     store: str,
     model: str | None = None,
-    positions: int = 0,
+    positions: int = 65_536,  # as `hsx audit`'s (flows/audit_cli.py)
     samples: str | None = None,
     out: str | None = None,
     device: str = "auto",

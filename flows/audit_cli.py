@@ -16,7 +16,7 @@ import typer
 from flows.cli_common import console, fail
 from flows.run_guard import guarded_run
 
-DEFAULT_POSITIONS = 65_536
+DEFAULT_POSITIONS = 65_536  # the audit flow's default too (flows/audit.py)
 
 
 def audit(

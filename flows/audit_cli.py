@@ -49,7 +49,7 @@ def audit(
 
     try:
         # Seconds, before a Prefect server starts: another model, no head, nothing committed.
-        check_inputs(store, model, positions, samples)
+        check_inputs(store, model, positions, samples, device)
     except HsxError as exc:
         fail(str(exc))
     prefect_home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hsx.audit.chunk import AuditContext, audit_chunk
 from hsx.audit.data_shape import DataShape, data_shape
-from hsx.audit.head import OutputHead, find_head
+from hsx.audit.head import OutputHead, choose_device, find_head
 from hsx.audit.layer_stats import POST_NORM_TOLERANCE
 from hsx.audit.report import AuditReport, merge
 from hsx.audit.results import ChunkAudit
@@ -100,10 +100,17 @@ class StoreAudit:
         return report
 
 
-def check_inputs(store: str, model: str | Path | None, positions: int, samples: str | None) -> None:
+def check_inputs(
+    store: str,
+    model: str | Path | None,
+    positions: int,
+    samples: str | None,
+    device: str = "auto",
+) -> None:
     """What StoreAudit refuses, in seconds and without reading the head (the CLI asks before a
     Prefect server starts): the store and its commits, the range, the model folder against the
-    store's config digest, the final norm and the LM head's presence."""
+    store's config digest, the final norm and the LM head's presence, the device."""
+    choose_device(device, 0)
     reader = HiddenStatesReader(store)
     select_chunks(reader, positions, samples)
     folder, config = store_model_folder(model, reader.store.meta, "audit")

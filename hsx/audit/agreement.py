@@ -118,8 +118,10 @@ def score_positions(
     samples, position buckets); with ``exact``, the greedy check: returns the samples whose
     generated tokens the states do not predict, and the likely cause."""
     final = found.states[:, -1]  # [n, H]
+    # Ids past the head's vocabulary (a padded tokenizer's) are no target.
+    found.targets[found.targets >= head.vocab_size] = -1
     # NaN, inf and all-zero vectors score nothing: the layer statistics name them.
-    usable = torch.isfinite(final).all(dim=1) & (final != 0).any(dim=1)
+    usable = torch.isfinite(final).all(dim=1) & (final != 0).any(dim=1) & (found.targets[:, 1] >= 0)
     keep = np.flatnonzero(usable.numpy())
     scores = head.score(found.states[keep, -1], found.targets[keep])
     targets = found.targets[keep]  # [n, 3]

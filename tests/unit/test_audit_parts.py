@@ -122,3 +122,28 @@ def test_the_report_as_json_markdown_and_plots(tmp_path: Path) -> None:
     text = markdown(report, images)
     assert text.count("data:image/png;base64,") == len(PLOTS)
     assert "alignment: aligned" in text
+
+
+def test_ids_past_the_head_s_vocabulary_are_no_target() -> None:
+    """A padded tokenizer's ids (none of the head's rows) score nothing and spoil no mean."""
+    import numpy as np
+
+    from hsx.audit.agreement import Positions, score_positions
+    from hsx.audit.results import ChunkAudit, SampleAudit
+
+    head = _head(vocab=50)
+    n = 4
+    found = Positions(
+        rows=np.arange(n),
+        samples=np.zeros(n, dtype=np.int64),
+        offsets=np.arange(n),
+        ends=np.arange(n) - n,
+        targets=torch.tensor([[1, 2, 3], [2, 60, 4], [3, 4, 70], [4, 5, 6]]),  # [n, 3]
+        masked=np.ones(n, dtype=bool),
+        states=torch.randn(n, 2, 16, generator=torch.Generator().manual_seed(3)),
+    )
+    audit = ChunkAudit(0, 1, n, n)
+    audit.sample_audits = [SampleAudit(0, 0, n, n)]
+    assert score_positions(head, found, audit, False, 2.0**-16) == ([], "")
+    assert audit.masked.positions == 3 and math.isfinite(audit.masked.log_prob)
+    assert audit.shift_positions == 2  # the row whose +1 target is id 70 has no pair

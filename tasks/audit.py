@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from hsx.audit import ChunkAudit, StoreAudit, audit_store, brief, markdown
 from hsx.audit.data_shape import DataShape
+from hsx.audit.scope import NothingToAuditError
 from hsx.errors import AuditFailedError, ConfigError
 from settings import HsxSettings
 from tasks.common import logged_failures, retry_unless_fatal
@@ -72,6 +73,9 @@ def run_audit_task(settings: HsxSettings) -> dict[str, Any]:
         positions = settings.run.audit_positions
         try:
             report = audit_store(settings.store, settings.model, positions, score=scored)
+        except NothingToAuditError as exc:  # every sample skipped (capture.on_bad_states=skip)
+            logger.warning("audit: %s", exc)
+            return {"audit": f"nothing to audit: {exc}", "audit_rows": 0, "audit_errors": 0}
         except ConfigError as exc:  # no head to read (a quantized one...): the layers still
             logger.warning("audit: next-token agreement not measured: %r", exc, exc_info=True)
             report = audit_store(settings.store, settings.model, positions, score=False)

@@ -27,6 +27,10 @@ _NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penal
 _IGNORED_UNDER_GREEDY = ("temperature", "top_p", "top_k", "min_p", "seed", "n")
 
 
+class NothingToAuditError(StoreError):
+    """No committed, usable sample in range (nothing committed yet, or every sample skipped)."""
+
+
 @dataclass(frozen=True)
 class Window:
     """Rows [row_start, row_end) of one sample whose states are read."""
@@ -95,10 +99,11 @@ def select_chunks(
         if chosen:
             candidates.append((chunk, chosen))
     if not candidates:
-        raise StoreError(
+        raise NothingToAuditError(
             f"store {reader.store.url}: expected committed samples to audit in {start}:{end}, "
             f"found none ({len(reader.store.committed_chunks())} chunks committed of "
-            f"{len(reader.store.work_chunks)}): nothing to audit"
+            f"{len(reader.store.work_chunks)}, {len(reader.skipped_samples)} samples skipped at "
+            "extraction): nothing to audit"
         )
     audited = list(range(len(candidates)))
     if positions and positions < len(candidates) * MIN_ROWS_PER_CHUNK:

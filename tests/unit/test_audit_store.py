@@ -190,7 +190,7 @@ def test_bad_input_is_refused_before_any_state_is_read(
     empty = write_store(pipeline, str(tmp_path / "empty.zarr"), model, chunks=0)
     with pytest.raises(
         StoreError,
-        match=r"expected committed samples to audit in 0:10, found none \(0 chunks committed of \d+\)",
+        match=r"expected committed samples to audit in 0:10, found none \(0 chunks committed of \d+, 0 samples skipped at extraction\): nothing to audit",
     ):
         StoreAudit(empty)
     with pytest.raises(

@@ -102,9 +102,24 @@ def deepseek(
     return _extract(tiny_deepseek, sample_dataset, url, capture={"store_dtype": "fp8_e4m3"})
 
 
-def _show(title: str, report: AuditReport) -> None:
+def _show(title: str, report: AuditReport) -> None:  # seen with pytest -s
     print(f"\n== {title}")
     print("\n".join(summary_lines(report) + finding_lines(report)))
+
+
+def test_a_greedy_regenerated_store_agrees_on_every_generated_position(regenerated: Made) -> None:
+    report = audit_store(regenerated.url, regenerated.model)
+    _show("tiny Llama, its own greedy regeneration", report)
+    check = report.greedy_check
+    assert report.greedy["exact"], report.greedy
+    assert (
+        check.positions > 300
+        and check.disagree == 0
+        and check.agree + check.ties == check.positions
+    )
+    assert report.masked.top1 + check.ties == report.masked.positions
+    assert report.alignment.startswith("aligned: shift 0 predicts best")
+    assert report.ok
 
 
 def test_clean_stores_pass_and_their_run_records_keep_the_end_of_run_audit(
@@ -131,21 +146,6 @@ def test_clean_stores_pass_and_their_run_records_keep_the_end_of_run_audit(
     runs = CliRunner().invoke(app, ["runs", "--json", "--limit", "10"])
     audits = [row["audit"] for row in json.loads(runs.output) if row["store"] == llama.url]
     assert audits and audits[0].startswith("ok: "), runs.output
-
-
-def test_a_greedy_regenerated_store_agrees_on_every_generated_position(regenerated: Made) -> None:
-    report = audit_store(regenerated.url, regenerated.model)
-    _show("tiny Llama, its own greedy regeneration", report)
-    check = report.greedy_check
-    assert report.greedy["exact"], report.greedy
-    assert (
-        check.positions > 300
-        and check.disagree == 0
-        and check.agree + check.ties == check.positions
-    )
-    assert report.masked.top1 + check.ties == report.masked.positions
-    assert report.alignment.startswith("aligned: shift 0 predicts best")
-    assert report.ok
 
 
 # defect -> (the store it goes into, the finding's kind, what its message must say)

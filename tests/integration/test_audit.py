@@ -143,7 +143,7 @@ def test_clean_stores_pass_and_their_run_records_keep_the_end_of_run_audit(
         assert info.exit_code == 0 and "audit ok: " in info.output, info.output
     fp8 = audit_store(deepseek.url, deepseek.model)
     assert all(layer.scale_min and layer.scale_max for layer in fp8.layers)
-    runs = CliRunner().invoke(app, ["runs", "--json", "--limit", "10"])
+    runs = CliRunner().invoke(app, ["runs", "--json", "--limit", "50"])
     audits = [row["audit"] for row in json.loads(runs.output) if row["store"] == llama.url]
     assert audits and audits[0].startswith("ok: "), runs.output
 

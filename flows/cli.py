@@ -5,6 +5,7 @@ hsx/ itself never imports prefect.
     hsx extract --model DIR --dataset FILE --store URL [options]
     hsx regenerate --model DIR --dataset D --out OUT   the target rewrites the assistant turns
     hsx verify STORE_URL          exit 0 only when every planned chunk is committed and verifies
+    hsx audit STORE_URL           what the states mean: next-token agreement, alignment, layers
     hsx export STORE --format F --out OUT   a store into a trainer's files (speculators, ...)
     hsx vocab STORE --draft-vocab-size N --out DIR   the draft vocabulary of a store
     hsx info STORE_URL            provenance, commits and runs of a store (the audit record)
@@ -13,8 +14,8 @@ hsx/ itself never imports prefect.
     hsx make-tiny-models DIR      build the tiny Llama and DeepSeek-V3 models
 
 This module only assembles the app; the commands live in extract_cli (extract, demo), store_cli
-(verify, info), export_cli (export, vocab), preflight_cli (preflight, make-tiny-models), serve_cli and runs_cli, and what
-they share in cli_common.
+(verify, info), audit_cli (audit), export_cli (export, vocab), preflight_cli (preflight,
+make-tiny-models), serve_cli and runs_cli, and what they share in cli_common.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # lent multi-GPU hosts' docs ask for it, and a team's nodes are not different.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
+from flows.audit_cli import audit
 from flows.cli_common import build_settings
 from flows.export_cli import export, vocab
 from flows.extract_cli import demo, extract
@@ -56,6 +58,7 @@ app.command()(extract)
 app.command()(demo)
 app.command()(regenerate)
 app.command()(verify)
+app.command()(audit)
 app.command()(export)
 app.command()(vocab)
 app.command()(info)

@@ -1,4 +1,5 @@
-"""The extraction flow: resume check -> [preflight] -> plan -> one task per pending work chunk -> verify.
+"""The extraction flow: resume check -> [preflight] -> plan -> one task per pending work chunk ->
+verify -> audit (a sample of positions through the model's own head: hsx.audit).
 
 A chunk that fails is retried alone (transient errors) or not at all (fatal ones), with its full
 traceback in the logs; the other chunks go on. The flow raises when any chunk failed or
@@ -40,6 +41,7 @@ from hsx.interrupt import request_stop, stop_reason, stop_requested
 from hsx.store.run_records import RunAttempt, record_attempt, run_parity
 from hsx.store.zarr_store import ExtractionStore
 from settings import HsxSettings
+from tasks.audit import run_audit_task
 from tasks.common import backoff, describe
 from tasks.extract import extract_chunk_task
 from tasks.plan import plan_task, resume_check_task
@@ -187,6 +189,18 @@ def _extract_planned(
         loop.redo(verification["repaired"])
         verification = verify_task(settings.store, readers=readers)
     summary = summarize(settings.store, plan, tally, verification, time.perf_counter() - started)
+    if (
+        settings.run.audit_positions
+        and verification["ok"]
+        and not (tally.failed or tally.not_started)
+    ):
+        # A sample of what was just written, through the model's own head: states that do
+        # not line up with their tokens fail the run here (AuditFailedError, recorded).
+        stage.name = "audit"
+        audit_started = time.perf_counter()
+        summary.update(run_audit_task(settings))
+        summary["audit_seconds"] = round(time.perf_counter() - audit_started, 3)  # task's too
+        summary["wall_seconds"] = round(time.perf_counter() - started, 2)
     return _report_end(settings, attempt, stage, plan, tally, summary, verification)
 
 
@@ -229,6 +243,7 @@ def _report_end(
             "tokens_extracted_now": tally.extracted_tokens,
             "extract_tokens_per_s": summary["extract_tokens_per_s"],
             "verification": verification["summary"],
+            "audit": summary.get("audit", "off"),
         },
     )
     create_markdown_artifact(

@@ -31,6 +31,7 @@ def print_summary(summary: dict[str, Any], bytes_stored: int | None) -> None:
         "extract_tokens_per_s": "tokens/s (extraction: first chunk's start to last commit)",
         "wall_seconds": "wall seconds (preflight, plan, extraction, verify)",
         "verification": "verification",
+        "audit": "audit (run.audit_positions rows through the model's own head)",
     }
     for key, label in labels.items():
         table.add_row(label, str(summary.get(key)))

@@ -17,7 +17,14 @@ from rich.table import Table
 runs_app = typer.Typer(help="Past runs from the Prefect API: hsx runs, hsx runs show ID.")
 console = Console()
 # The runs a user starts; a fan-out's children (hsx-extract-item) are parts of their parent's.
-FLOWS = ("hsx-extract", "hsx-extract-fanout", "hsx-regenerate", "hsx-verify", "hsx-preflight")
+FLOWS = (
+    "hsx-extract",
+    "hsx-extract-fanout",
+    "hsx-regenerate",
+    "hsx-verify",
+    "hsx-audit",
+    "hsx-preflight",
+)
 
 
 def _client() -> Any:
@@ -130,6 +137,8 @@ def runs(
                 "tokens_per_s": last.get(
                     "extract_tokens_per_s", last.get("generated_tokens_per_s", "-")
                 ),
+                # The end-of-run audit of an extraction (hsx.audit): its outcome in a line.
+                "audit": last.get("audit", "-"),
                 "tags": run.tags,
             }
         )
@@ -138,7 +147,7 @@ def runs(
         return
     table = Table(
         "run", "id", "state", "attempts", "model", "store", "committed", "failed", "retried",
-        "duration", "tokens/s",
+        "duration", "tokens/s", "audit",
     )  # fmt: skip
     for row in listed:
         table.add_row(
@@ -153,6 +162,7 @@ def runs(
             str(row["retried"]),
             row["duration"],
             str(row["tokens_per_s"]),
+            str(row["audit"]),
         )
     console.print(table)
 

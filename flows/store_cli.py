@@ -234,6 +234,8 @@ def _run_line(run: dict[str, Any]) -> str:
         if summary
         else ""
     )
+    if summary.get("audit"):
+        done += f", audit {summary['audit']}"
     why = f": {run['error']}" if run.get("error") else ""
     where = f" in {run['failed_in']}" if run.get("failed_in") else ""
     warning = (run.get("parity") or {}).get("warning")

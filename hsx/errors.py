@@ -74,6 +74,11 @@ class StorageIOError(TransientError):
     reset, an object store shedding load); a chunk that keeps failing stops after its retries."""
 
 
+class AuditFailedError(FatalError):
+    """A store's states do not line up with its tokens (shifted, shorter than the tokens): the
+    end-of-run audit fails the run, naming the chunks and samples; retrying cannot help."""
+
+
 class RequestRefusedError(FatalError):
     """vLLM refused one prompt (too long for max_model_len, ...): the same prompt would be
     refused again; the engine itself is fine."""

@@ -347,6 +347,15 @@ class RunSettings(StrictSection):
         description="When verification finds corrupt chunks, drop their commit records and "
         "extract them again in the same run (then verify again).",
     )
+    audit_positions: int = Field(
+        2048,
+        ge=0,
+        le=10_000_000,
+        description="Rows the end-of-run audit reads, spread over the chunks: their final "
+        "states through the model's own final norm and LM head must predict the next tokens "
+        "(states shifted against their tokens fail the run), and every captured layer is "
+        "checked (hsx audit does the whole store). 0 turns it off.",
+    )
 
 
 class PipelineSettings(StrictSection):

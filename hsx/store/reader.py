@@ -129,23 +129,29 @@ class HiddenStatesReader:
         """A Sample from the stored rows of its state arrays (``hidden_states [tokens, K, H]``,
         and ``hidden_scales [tokens, K]`` in an fp8 store)."""
         raw = np.ascontiguousarray(parts["hidden_states"])
-        if SCALES_ARRAY not in parts:
-            return Sample(index, ids, mask, self._as_tensor(raw), self.layer_ids)
+        if SCALES_ARRAY not in parts or self.dequantize:
+            states = states_tensor(raw, parts.get(SCALES_ARRAY), self.logical_dtype)
+            return Sample(index, ids, mask, states, self.layer_ids)
         q = torch.from_numpy(raw)
         scales = torch.from_numpy(np.ascontiguousarray(parts[SCALES_ARRAY]))
-        if not self.dequantize:
-            return Sample(index, ids, mask, q.view(torch.float8_e4m3fn), self.layer_ids, scales)
-        states = dequantize(q, scales, getattr(torch, self.logical_dtype))
-        return Sample(index, ids, mask, states, self.layer_ids)
-
-    def _as_tensor(self, raw: np.ndarray) -> torch.Tensor:
-        """[tokens, K, H] stored rows as a tensor of the logical dtype (bf16 stored as uint16)."""
-        if self.logical_dtype == "bfloat16":
-            return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(raw)
+        return Sample(index, ids, mask, q.view(torch.float8_e4m3fn), self.layer_ids, scales)
 
     def __len__(self) -> int:
         return len(self._available)
 
     def __getitem__(self, position: int) -> Sample:
         return self.sample(int(self._available[position]))
+
+
+def states_tensor(raw: np.ndarray, scales: np.ndarray | None, logical_dtype: str) -> torch.Tensor:
+    """Stored rows of ``hidden_states`` ``[tokens, K, H]`` (and, in an fp8 store, their
+    ``hidden_scales [tokens, K]``) as a tensor of the logical dtype (bf16 is stored as uint16;
+    fp8 bits are dequantized)."""
+    raw = np.ascontiguousarray(raw)
+    if scales is not None:
+        q = torch.from_numpy(raw)
+        factors = torch.from_numpy(np.ascontiguousarray(scales))
+        return dequantize(q, factors, getattr(torch, logical_dtype))
+    if logical_dtype == "bfloat16":
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(raw)

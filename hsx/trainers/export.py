@@ -24,17 +24,15 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from hsx.errors import ConfigError, StoreError
-from hsx.model.config import read_config
-from hsx.plan.building import code_version, config_hash
+from hsx.plan.building import code_version
 from hsx.store.checksums import ALGORITHM
 from hsx.store.reader import HiddenStatesReader
 from hsx.store.storage_io import create_once, store_io, write_atomic
 from hsx.store.zarr_store import fs_and_root
-from hsx.trainers.final_norm import FinalNorm, load_final_norm
+from hsx.trainers.final_norm import FinalNorm, load_final_norm, store_model_folder
 from hsx.trainers.formats import ExportFile, TrainerFormat, trainer_format
 
 logger = logging.getLogger(__name__)
@@ -326,19 +324,7 @@ class Exporter:
 def _final_norm_of(model: str | None, meta: dict[str, Any]) -> FinalNorm:
     """The final norm of the store's model: ``model`` or the folder the store names; its
     config must be the one the store was extracted with."""
-    folder = Path(model or str(meta["model"]["path"]))
-    if not (folder / "config.json").is_file():
-        raise ConfigError(
-            f"export: expected the model folder (config.json, safetensors) for the final norm "
-            f"at {folder}, found none: pass --model MODEL_DIR"
-        )
-    config = read_config(folder)
-    stored, found = meta["model"].get("config_hash"), config_hash(config)
-    if stored != found:
-        raise ConfigError(
-            f"export: expected the model the store was extracted with (config hash {stored}), "
-            f"found {found} at {folder}"
-        )
+    folder, config = store_model_folder(model, meta, "export")
     return load_final_norm(folder, config)
 
 

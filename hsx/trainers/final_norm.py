@@ -17,6 +17,7 @@ import torch
 
 from hsx.errors import ConfigError
 from hsx.model.config import read_config, text_config
+from hsx.plan.building import config_hash
 
 # The decoder's final norm: "model.norm.weight" (Llama, Qwen, DeepSeek-V3, gpt-oss), nested under
 # a multimodal wrapper's language model (Kimi-K2.5, Llama-4: "language_model.model.norm.weight";
@@ -60,7 +61,7 @@ class FinalNorm:
         return x * torch.rsqrt(variance + self.eps) * scale
 
 
-def _weight_files(model_dir: Path) -> dict[str, str]:
+def weight_files(model_dir: Path) -> dict[str, str]:
     """Tensor name -> safetensors file, from the index or from each file's header."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -87,7 +88,7 @@ def load_final_norm(model_dir: Path, config: dict[str, Any] | None = None) -> Fi
             f"{model_dir}/config.json: expected 'rms_norm_eps' a positive number for the final "
             f"norm, found {eps!r}"
         )
-    files = _weight_files(model_dir)
+    files = weight_files(model_dir)
     if not files:
         raise ConfigError(
             f"{model_dir}: expected safetensors weights holding the final norm, found none "
@@ -116,3 +117,26 @@ def load_final_norm(model_dir: Path, config: dict[str, Any] | None = None) -> Fi
     return FinalNorm(
         weight, float(eps), f"{files[name]}:{name}", plus_one=model_type in _OFFSET_NORM_TYPES
     )
+
+
+def store_model_folder(
+    model: str | Path | None, meta: dict[str, Any], what: str
+) -> tuple[Path, dict[str, Any]]:
+    """The folder and config of the model a store was extracted with: ``model``, or the folder
+    the store names. ``what`` names the caller in errors ("export", "audit"). ConfigError when
+    there is no config.json there, or its digest is not the one the store recorded (another
+    model's head or norm would make every figure meaningless)."""
+    folder = Path(model or str(meta["model"]["path"]))
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"{what}: expected the model folder (config.json, safetensors) the store was "
+            f"extracted with at {folder}, found none: pass --model MODEL_DIR"
+        )
+    config = read_config(folder)
+    stored, found = meta["model"].get("config_hash"), config_hash(config)
+    if stored != found:
+        raise ConfigError(
+            f"{what}: expected the model the store was extracted with (config digest {stored}), "
+            f"found {found} at {folder}"
+        )
+    return folder, config

@@ -41,6 +41,7 @@ def test_deployment_entrypoints_and_parameters_are_valid() -> None:
         "preflight": "hsx-preflight",
         "verify": "hsx-verify",
         "export": "hsx-export",
+        "audit": "hsx-audit",
         "regenerate": "hsx-regenerate",
         "regenerate-extract": "hsx-regenerate-extract",
     }

@@ -26,6 +26,7 @@ HSX_ORDER = (
     "hsx.plan",
     "hsx.store",
     "hsx.trainers",
+    "hsx.audit",
     "hsx.engine",
     "hsx.extraction",
     "hsx.regeneration",
@@ -193,7 +194,7 @@ def test_importing_hsx_does_not_load_prefect() -> None:
     """At run time too (an import hidden behind a string would escape the source check)."""
     code = (
         "import sys, hsx.extraction.run, hsx.extraction.steps, hsx.store.reader, "
-        "hsx.store.verify, hsx.plan.building, hsx.engine.homes, hsx.preflight.servers;"
+        "hsx.store.verify, hsx.plan.building, hsx.engine.homes, hsx.preflight.servers, hsx.audit;"
         "bad = [m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -58,6 +58,7 @@ def test_the_ui_shows_the_api_of_its_own_port(stack: Stack) -> None:
         "export",
         "regenerate",
         "regenerate-extract",
+        "audit",
     }
     assert names["verify"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
     extract = names["extract"]["parameters"]["settings"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,18 +45,25 @@ def compare_stores(url_a: str, url_b: str) -> StoreDifference:
 def max_difference_from_hf(model_dir: Path, url: str) -> tuple[int, float]:
     """Every sample of the store against HF transformers' fp32 states of its token ids:
     (samples compared, the largest |store - HF| over every captured layer and token)."""
+    rows = row_differences_from_hf(model_dir, url)
+    return len(rows), max((float(r.max()) for r in rows), default=0.0)
+
+
+def row_differences_from_hf(model_dir: Path, url: str) -> list[Any]:
+    """Per sample, the largest |store - HF| of each token over its captured layers: ``[tokens]``
+    float32 tensors (where one token is off and why: an MoE router's near-tie, a shift)."""
     import torch
 
     from hsx.preflight.hf_reference import hf_hidden_states, load_hf_model
 
     reader = HiddenStatesReader(url)
     hf = load_hf_model(model_dir)
-    worst, compared = 0.0, 0
+    rows: list[torch.Tensor] = []
     for index in reader.available_samples.tolist():
         sample = reader.sample(index)
         (reference,) = hf_hidden_states(hf, [sample.input_ids.numpy()], reader.layer_ids)
         assert sample.hidden_states.shape == reference.shape, f"sample {index}: shape"
         assert sample.hidden_states.dtype == torch.float32
-        worst = max(worst, float((sample.hidden_states - reference).abs().max()))
-        compared += 1
-    return compared, worst
+        # [tokens, K, H] -> [tokens]
+        rows.append((sample.hidden_states - reference).abs().amax(dim=(1, 2)))
+    return rows

@@ -172,7 +172,12 @@ def test_the_whole_bundled_dataset_regenerates_with_the_defaults(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = rows_of(out)
-    assert len(rows) == len(sample_dataset.read_text().splitlines()) == 300
+    # The tiny random model's 8 tokens are all special tokens now and then (7 of 300 with the
+    # default seed): such a turn has no text, and the sample is listed as failed, not lost.
+    failed = [entry for commit in commits_of(out).values() for entry in commit["failed"]]
+    assert all("tokens of no text" in entry["error"] for entry in failed), failed
+    assert len(rows) + len(failed) == len(sample_dataset.read_text().splitlines()) == 300
+    assert len(rows) >= 270, f"expected nearly every conversation regenerated, found {len(rows)}"
     assert RegeneratedOutput(str(out)).verify() == []
     assert all(t["generated_tokens"] > 0 for row in rows for t in row["hsx_turns"])
 

@@ -61,6 +61,7 @@ def _aliases(model: type[BaseModel]) -> list[str]:
 NOT_SETTINGS = frozenset(
     {
         "HSX_VLLM",
+        "HSX_SKIP_BOOTSTRAP",  # a provided .venv, used as it is (scripts/bootstrap.sh)
         "HSX_ALLOCATOR",
         "HSX_REEXECUTED",
         "HSX_REPO",  # the checkout a worker runs flows from (infra/start-worker.sh)

@@ -26,6 +26,7 @@ from flows.reporting import (
     chunk_rows,
     chunk_table,
     current_attempt,
+    hold_further_sigterms,
     run_is_cancelling,
     run_summary,
     run_tags,
@@ -75,6 +76,7 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any] | State:
         # A Cancel or a worker's stop before or after the chunks (preflight, planning, verify).
         if resolved is None or stage.recorded:
             raise
+        hold_further_sigterms()
         cancelled = run_is_cancelling()
         reason = "cancelled from Prefect" if cancelled else "SIGTERM received"
         request_stop(reason)
@@ -160,6 +162,7 @@ def _extract_planned(
     except TerminationSignal:
         # Prefect's SIGTERM bridge (the UI's or API's Cancel, a worker's stop) raised here: the
         # chunks in flight must abandon too, and the store must say the run was stopped.
+        hold_further_sigterms()
         cancelled = run_is_cancelling()
         request_stop("cancelled from Prefect" if cancelled else "SIGTERM received")
         # (timeouts.stop_wait_s; the CLI's watchdog exits at 10 s in any case)

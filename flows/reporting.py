@@ -3,7 +3,11 @@ over its deployment's, tags, a progress bar, a chunk table and its run record.""
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
+from types import FrameType
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -211,3 +215,17 @@ def run_is_cancelling() -> bool:
     except Exception as exc:  # the API unreachable: a stop all the same
         get_run_logger().warning("could not read this run's state: %r", exc)
         return False
+
+
+def hold_further_sigterms() -> None:
+    """After the SIGTERM that stops this run, later ones are written to stderr instead of
+    raised (a worker forwards its stop to its runs while systemd's default KillMode sends one
+    to every process): the stop records what it did and ends Cancelled within seconds, and the
+    worker kills the process if it does not within its grace (flows/worker_launch.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def held(signum: int, frame: FrameType | None) -> None:
+        sys.stderr.write("hsx: SIGTERM again: already stopping (recording what is committed)\n")
+
+    signal.signal(signal.SIGTERM, held)

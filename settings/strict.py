@@ -68,6 +68,7 @@ NOT_SETTINGS = frozenset(
         "HSX_PREFECT_HOME",  # infra/prefect-up.sh's state folder
         "HSX_WORKER_LIMIT",  # flow runs at once per worker (infra/start-worker.sh)
         "HSX_WORKER_POOL",  # the pool a worker serves (infra/start-worker.sh)
+        "HSX_WORKER_STOP_GRACE_S",  # a stopping worker's wait for its runs (flows/worker_launch.py)
         "HSX_ZOMBIE_WINDOW_S",  # silence before a run is marked Crashed (infra/prefect-up.sh)
     }
 )

@@ -48,9 +48,12 @@ STOP_GRACE_S = 60.0
 STOP_GRACE_VARIABLE = "HSX_WORKER_STOP_GRACE_S"
 
 
-def runs_to_submit(limiter: Any, flow_run_response: list[Any]) -> list[Any]:
+def runs_to_submit(limiter: Any, flow_run_response: list[Any], stopping: bool = False) -> list[Any]:
     """The scheduled runs (WorkerFlowRunResponse entries) whose id holds no token of the
-    worker's limiter (anyio's CapacityLimiter; None without ``--limit``)."""
+    worker's limiter (anyio's CapacityLimiter; None without ``--limit``); none once the worker
+    is ``stopping`` (it starts nothing more)."""
+    if stopping:
+        return []
     if limiter is None:
         return flow_run_response
     held = set(limiter.statistics().borrowers)
@@ -74,9 +77,9 @@ def skip_runs_still_holding_a_slot() -> bool:
         return original is not None
 
     async def submit(self: Any, flow_run_response: list[Any]) -> list[Any]:
-        if STOP.stopping.is_set():  # a stopping worker starts nothing more
-            return []
-        submittable = runs_to_submit(getattr(self, "_limiter", None), flow_run_response)
+        submittable = runs_to_submit(
+            getattr(self, "_limiter", None), flow_run_response, STOP.stopping.is_set()
+        )
         return list(await original(self, submittable))
 
     submit._hsx_patched = True  # type: ignore[attr-defined]

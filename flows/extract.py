@@ -23,6 +23,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.chunk_loop import ChunkLoop, ChunkTally, summarize
 from flows.reporting import (
     Progress,
+    ThroughputPlot,
     chunk_rows,
     chunk_table,
     current_attempt,
@@ -156,7 +157,8 @@ def _extract_planned(
     # and commit (hsx.extraction.host_pipeline.chunks_in_flight): the engine never waits.
     concurrency = run.concurrency(int(plan["tokens"]), int(plan["chunks"]))
     get_run_logger().info("%d work chunks in flight at once", concurrency)
-    loop = ChunkLoop(run, chunk_task, pending, concurrency, progress)
+    plot = ThroughputPlot(f"{settings.store}: attempt {attempt.attempt}")
+    loop = ChunkLoop(run, chunk_task, pending, concurrency, progress, plot)
     try:
         loop.run_all()
     except TerminationSignal:

@@ -20,6 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.chunk_loop import ChunkLoop, ChunkTally
 from flows.reporting import (
     Progress,
+    ThroughputPlot,
     hold_further_sigterms,
     run_is_cancelling,
     settings_from_parameters,
@@ -74,6 +75,7 @@ def extract_item_flow(
             list(chunks),
             run.concurrency(tokens, len(chunks)),
             Progress(len(chunks), f"{item}: {len(chunks)} work chunks"),
+            ThroughputPlot(f"{resolved.store}: {item}"),
         )
         watch.start()
         try:

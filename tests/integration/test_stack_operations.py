@@ -145,9 +145,9 @@ def test_a_workers_sigterm_ends_its_run_cancelled_with_its_record(
     }
     run_id = stack.run("hsx-extract", "extract", {"settings": settings})
     commits = Path(store) / "commits"
-    _wait_for(
-        "a first commit",
-        lambda: commits.is_dir() and any(commits.glob("chunk-*.json")),
+    _wait_for(  # mid-run: a chunk in flight, most not started
+        "three commits",
+        lambda: commits.is_dir() and len(list(commits.glob("chunk-*.json"))) >= 3,
         timeout=300,
         period=0.2,
     )
@@ -191,6 +191,15 @@ def test_a_workers_sigterm_ends_its_run_cancelled_with_its_record(
         "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
     ).json()
     assert any("below the automatic layout.rows_per_chunk" in log["message"] for log in logs)
+    # The run's page: Prefect's progress bar where the run stopped, the tokens/s plot.
+    artifacts = stack.call(
+        "POST", "/artifacts/filter", json={"flow_runs": {"id": {"any_": [run_id]}}}
+    ).json()
+    (progress,) = [a for a in artifacts if a["type"] == "progress"]
+    assert 0 < float(progress["data"]) < 100
+    (plot,) = [a for a in artifacts if a["key"] == "hsx-extract-throughput"]
+    assert plot["type"] == "rich" and plot["data"]["html"].startswith("<svg")
+    assert f"{len(committed)} chunks" in plot["description"]
     # The next tests need a worker: a node's supervisor would start it again.
     stack.start_worker({}, stack.home / "worker-after-stop.log")
 

@@ -150,3 +150,48 @@ def test_hsx_runs_says_how_many_it_shows_of_how_many() -> None:
     assert shown_of(20, 211) == "the newest 20 of 211 runs (--limit N for more, --limit 0 for all)"
     assert shown_of(3, 3) == "3 runs"
     assert shown_of(1, 1) == "1 run"
+
+
+def test_a_stopping_worker_kills_a_run_that_outlasts_its_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flow-run process that ignores SIGTERM is killed once the grace is over and its run is
+    marked Crashed; one that ends in time keeps the state it reported. (The API calls are
+    recorded here; tests/integration/test_stack_operations.py makes them against a server.)"""
+    from flows import worker_launch
+
+    crashed: list[tuple[uuid.UUID, str]] = []
+    closed: list[uuid.UUID] = []
+    monkeypatch.setattr(
+        worker_launch, "crash_if_unfinished", lambda run, why: crashed.append((run, why))
+    )
+    monkeypatch.setattr(worker_launch, "close_stale_task_runs", lambda run, at: closed.append(run))
+    stubborn, polite = uuid.uuid4(), uuid.uuid4()
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", code + "print('ready', flush=True); time.sleep(60)"],
+            env={**os.environ, "PREFECT__FLOW_RUN_ID": str(run)},
+            stdout=subprocess.PIPE,
+        )
+        for run, code in ((stubborn, ignore_term), (polite, "import time; "))
+    ]
+    said: list[str] = []
+    try:
+        for child in children:  # their handlers are set
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        started = time.monotonic()
+        worker_launch.WorkerStop(grace_s=1.0, say=said.append).stop_flow_runs("SIGTERM")
+        assert time.monotonic() - started < 10
+        assert all(worker_launch.process_ended(c.pid) for c in children)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert children[0].returncode == -9 and children[1].returncode == -15
+    assert any(f"flow run {stubborn} did not end within 1 s: SIGKILL" in s for s in said), said
+    assert any("1 of 2 flow runs ended" in s for s in said), said
+    reasons = dict(crashed)
+    assert "did not end within 1 s: killed" in reasons[stubborn]
+    assert "ended without an end" in reasons[polite]  # crash_if_unfinished keeps a final state
+    assert sorted(closed, key=str) == sorted([stubborn, polite], key=str)

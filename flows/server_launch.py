@@ -8,9 +8,8 @@ connection wrote since its read, SQLite answers "database is locked" at once, wh
 timeout (Prefect's own comment in its SQLite setup says so, and that IMMEDIATE resolves it).
 The worker's polls (``mark_deployments_ready``) and heartbeats do exactly that beside a flow
 run's writes: 170 ERROR tracebacks in 17 minutes (issue 44), 266 in 11 minutes of a test stack,
-each retried. With
-IMMEDIATE they wait their turn (SQLite takes one writer at a time either way). PostgreSQL is
-unchanged.
+each retried. With IMMEDIATE they wait their turn (SQLite takes one writer at a time either
+way). PostgreSQL is unchanged.
 
 Run: ``python -m flows.server_launch server start --host 127.0.0.1 --port 4200``.
 """

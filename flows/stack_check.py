@@ -1,10 +1,10 @@
-"""Checks of a Prefect server that infra/prefect-up.sh runs once the stack is up, and the tests
-run over a stack: the scheduler creates runs (a probe deployment's schedule, then removed), and
-the server's log holds no ERROR (a scheduler that fails every minute, SQLite's "database is
-locked", only show there).
+"""Checks of a Prefect server that infra/prefect-up.sh runs once the stack is up: the
+scheduler creates runs (a probe deployment's schedule, then removed) and its loop logs no
+error; any other ERROR of the server's log is reported (the tests over a stack fail on those:
+tests/prefect_stack.py reads the log with ``server_log_errors``).
 
 Run: ``python -m flows.stack_check --server-log FILE`` (PREFECT_API_URL names the server);
-exit 0 when both hold, 1 with what failed.
+exit 0 when the scheduler works, 1 with what failed.
 
 Why: with SQLAlchemy 2.1, Prefect 3.7.7's scheduler failed every minute while everything else
 worked (runs from the UI, retries, cancels): 17 minutes of a nightly deployment created no run,
@@ -124,12 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, httpx.HTTPError) as exc:
         print(f"stack check: {exc}", file=sys.stderr)
         failed = True
-    errors = server_log_errors(args.server_log.read_text(errors="replace"))
-    for error in errors[:10]:
+    scheduler = _scheduler_errors(args.server_log)
+    # Other errors are reported, not fatal: the stack works (a restart may log a client's
+    # dropped connection); the tests fail on them (tests/integration/test_stack_operations.py).
+    others = [
+        e
+        for e in server_log_errors(args.server_log.read_text(errors="replace"))
+        if e not in scheduler
+    ]
+    for error in scheduler[:10]:
         print(f"stack check: ERROR in {args.server_log}: {error_summary(error)}", file=sys.stderr)
-    if failed or errors:
+    for error in others[:10]:
+        print(f"stack check: warning: {args.server_log}: {error_summary(error)}", file=sys.stderr)
+    if failed or scheduler:
         print(
-            "stack check: the server does not run cleanly; a scheduler that fails with "
+            "stack check: the scheduler does not run cleanly; failing with "
             '"Can\'t evaluate bulk DML statement" means SQLAlchemy 2.1 '
             "(requirements/cpu-constraints.txt pins 2.0)",
             file=sys.stderr,

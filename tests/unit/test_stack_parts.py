@@ -50,6 +50,16 @@ def test_the_server_log_reader_finds_each_error_with_its_traceback() -> None:
     assert server_log_errors("20:48:04.100 | INFO    | prefect.server - started\n") == []
 
 
+def test_the_start_up_check_fails_on_the_schedulers_errors_alone(tmp_path: Path) -> None:
+    from flows.stack_check import _scheduler_errors
+
+    log = tmp_path / "server.log"
+    log.write_text(SERVER_LOG)
+    (error,) = _scheduler_errors(log)
+    assert "schedule_recent_deployments" in error
+    assert _scheduler_errors(tmp_path / "absent.log") == []
+
+
 def test_the_servers_sqlite_transactions_take_the_write_lock_at_once(tmp_path: Path) -> None:
     """Prefect's deferred transaction reads, then writes; in WAL mode SQLite refuses the write
     at once ("database is locked") when another connection wrote since. Begun IMMEDIATE

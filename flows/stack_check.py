@@ -84,7 +84,7 @@ def probe_scheduler(
                 runs = int(counted.json())
                 if runs:
                     return runs, time.monotonic() - started
-                failing = _scheduler_errors(server_log)
+                failing = scheduler_errors(server_log)
                 if failing:
                     raise RuntimeError(
                         "expected the scheduler to create runs for a deployment with an "
@@ -99,7 +99,7 @@ def probe_scheduler(
     )
 
 
-def _scheduler_errors(server_log: Path | None) -> list[str]:
+def scheduler_errors(server_log: Path | None) -> list[str]:
     if server_log is None or not server_log.exists():
         return []
     errors = server_log_errors(server_log.read_text(errors="replace"))
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, httpx.HTTPError) as exc:
         print(f"stack check: {exc}", file=sys.stderr)
         failed = True
-    scheduler = _scheduler_errors(args.server_log)
+    scheduler = scheduler_errors(args.server_log)
     # Other errors are reported, not fatal: the stack works (a restart may log a client's
     # dropped connection); the tests fail on them (tests/integration/test_stack_operations.py).
     others = [

@@ -51,13 +51,13 @@ def test_the_server_log_reader_finds_each_error_with_its_traceback() -> None:
 
 
 def test_the_start_up_check_fails_on_the_schedulers_errors_alone(tmp_path: Path) -> None:
-    from flows.stack_check import _scheduler_errors
+    from flows.stack_check import scheduler_errors
 
     log = tmp_path / "server.log"
     log.write_text(SERVER_LOG)
-    (error,) = _scheduler_errors(log)
+    (error,) = scheduler_errors(log)
     assert "schedule_recent_deployments" in error
-    assert _scheduler_errors(tmp_path / "absent.log") == []
+    assert scheduler_errors(tmp_path / "absent.log") == []
 
 
 def test_the_servers_sqlite_transactions_take_the_write_lock_at_once(tmp_path: Path) -> None:

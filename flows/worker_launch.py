@@ -91,19 +91,33 @@ def flow_run_processes(parent: int) -> dict[int, UUID]:
     """The running child processes of ``parent`` that Prefect started for a flow run: pid ->
     flow run id (their PREFECT__FLOW_RUN_ID)."""
     found: dict[int, UUID] = {}
-    for children in Path(f"/proc/{parent}/task").glob("*/children"):
+    for pid in _children(parent):
         try:
-            pids = [int(p) for p in children.read_text().split()]
-        except OSError:  # the thread ended meanwhile
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
             continue
-        for pid in pids:
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for entry in environ:
-                if entry.startswith(b"PREFECT__FLOW_RUN_ID="):
-                    found[pid] = UUID(entry.split(b"=", 1)[1].decode())
+        for entry in environ:
+            if entry.startswith(b"PREFECT__FLOW_RUN_ID="):
+                found[pid] = UUID(entry.split(b"=", 1)[1].decode())
+    return found
+
+
+def _children(parent: int) -> list[int]:
+    """The child processes of ``parent``: /proc's children lists, or where the kernel has none
+    (CONFIG_PROC_CHILDREN), every process whose parent it is."""
+    lists = list(Path(f"/proc/{parent}/task").glob("*/children"))
+    if lists:
+        pids: list[int] = []
+        for children in lists:
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                pids.extend(int(p) for p in children.read_text().split())
+        return pids
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                    found.append(int(entry.name))
     return found
 
 
@@ -195,8 +209,11 @@ def close_runs_after_their_process() -> bool:
         finally:
             ended = datetime.datetime.now(datetime.UTC)
             try:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(close_stale_task_runs, flow_run.id, ended)
+                # Shielded (a stopping worker cancels its tasks), bounded (an API that is away).
+                with anyio.move_on_after(30, shield=True):
+                    await anyio.to_thread.run_sync(
+                        close_stale_task_runs, flow_run.id, ended, abandon_on_cancel=True
+                    )
             except Exception as exc:  # the API away: the UI keeps the task Running, nothing else
                 logger.warning("flow run %s: task runs not closed: %r", flow_run.id, exc)
 

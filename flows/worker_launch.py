@@ -159,10 +159,11 @@ def close_stale_task_runs(flow_run_id: UUID, ended_at: datetime.datetime) -> lis
                 )
             ),
         )
+        ended_as = state.name if state else "?"
+        message = f"its flow run's process ended while it ran (flow run {ended_as})"
         for task_run in stale:
             if task_run.created is not None and task_run.created > ended_at:
                 continue
-            message = f"its flow run's process ended while it ran (flow run {state.name if state else '?'})"
             client.set_task_run_state(
                 task_run.id,
                 Cancelled(message=message) if cancelled else Crashed(message=message),

@@ -43,9 +43,11 @@ logger = logging.getLogger("hsx.worker")
 # Seconds the flow runs of a stopping worker get to end on their own (a stopped extraction
 # records and ends in seconds: stop_wait_s, 5 s, for its chunks in flight, then its record).
 # infra/systemd/hsx-worker.service (TimeoutStopSec) and infra/compose.yaml (stop_grace_period)
-# give the whole stop 90 s.
+# give the whole stop 120 s: the grace, 10 s for a killed process, CLOSE_WAIT_S, the rest.
 STOP_GRACE_S = 60.0
 STOP_GRACE_VARIABLE = "HSX_WORKER_STOP_GRACE_S"
+# Seconds a stopping worker gives the API to take its runs' last states (then it stops anyway).
+CLOSE_WAIT_S = 15.0
 
 
 def runs_to_submit(limiter: Any, flow_run_response: list[Any], stopping: bool = False) -> list[Any]:
@@ -298,23 +300,34 @@ class WorkerStop:
         while any(not process_ended(pid) for pid in killed) and time.monotonic() < deadline:
             time.sleep(0.1)
         ended = datetime.datetime.now(datetime.UTC)
-        for pid, run in runs.items():
-            try:
-                if pid in killed:
-                    crash_if_unfinished(
-                        run,
-                        f"the worker stopped ({name}) and its process did not end within "
-                        f"{self.grace_s:.0f} s: killed",
-                    )
-                else:
-                    # Ended on its own: a process that exited without reporting (its flow had
-                    # not started yet) is crashed; the flow's own Cancelled stays.
-                    crash_if_unfinished(
-                        run, f"the worker stopped ({name}); the run's process ended without an end"
-                    )
-                close_stale_task_runs(run, ended)
-            except Exception as exc:
-                self.say(f"hsx worker: flow run {run} not closed: {exc!r}")
+
+        def close() -> None:
+            for pid, run in runs.items():
+                try:
+                    if pid in killed:
+                        crash_if_unfinished(
+                            run,
+                            f"the worker stopped ({name}) and its process did not end within "
+                            f"{self.grace_s:.0f} s: killed",
+                        )
+                    else:
+                        # Ended on its own: a process that exited without reporting (its flow
+                        # had not started yet) is crashed; the flow's own Cancelled stays.
+                        crash_if_unfinished(
+                            run,
+                            f"the worker stopped ({name}); the run's process ended without an end",
+                        )
+                    close_stale_task_runs(run, ended)
+                except Exception as exc:
+                    self.say(f"hsx worker: flow run {run} not closed: {exc!r}")
+
+        # The API may be away (the server stopped first): the stop must not wait on its client's
+        # retries past the unit's stop timeout.
+        closing = threading.Thread(target=close, name="hsx-worker-close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_WAIT_S)
+        if closing.is_alive():
+            self.say(f"hsx worker: the API did not answer within {CLOSE_WAIT_S:.0f} s; stopping")
 
 
 STOP = WorkerStop(STOP_GRACE_S, print)

@@ -13,7 +13,7 @@ from prefect import Task
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 
-from flows.reporting import Progress
+from flows.reporting import Progress, ThroughputPlot
 from hsx.extraction.run import ExtractionRun
 from hsx.interrupt import stop_requested
 from tasks.common import describe
@@ -64,11 +64,13 @@ class ChunkLoop:
         pending: list[int],
         concurrency: int,
         progress: Progress,
+        plot: ThroughputPlot | None = None,
     ) -> None:
         self.run = run
         self.chunk_task = chunk_task
         self.concurrency = concurrency
         self.progress = progress
+        self.plot = plot  # tokens/s over time on the run's page
         self.queue = deque(pending)
         self.in_flight: deque[tuple[int, ChunkFuture]] = deque()
         self.tally = ChunkTally(list(pending))
@@ -91,6 +93,8 @@ class ChunkLoop:
         self.tally.not_started = list(self.queue)
         self.tally.seconds = time.perf_counter() - self._started
         self.progress.update(self._done, force=True)
+        if self.plot is not None:
+            self.plot.draw(force=True)
 
     def _fill(self) -> None:
         while (
@@ -118,8 +122,11 @@ class ChunkLoop:
                 )
             return
         self._consecutive = 0
-        self.tally.commit(index, future.result())
+        result = future.result()
+        self.tally.commit(index, result)
         self.progress.update(self._done)
+        if self.plot is not None and not result.get("skipped"):
+            self.plot.add(int(result["tokens"]))
         elapsed = time.perf_counter() - self._started
         total = len(self.tally.pending)
         logger.info(
@@ -140,8 +147,15 @@ class ChunkLoop:
             future.wait(timeout=max(deadline - time.monotonic(), 0.0))
             if not future.state.is_completed():
                 self.tally.abandoned.append(index)
+                continue
+            self._done += 1  # committed after all (its commit was under way)
+            if self.plot is not None:
+                self.plot.add(int(future.result().get("tokens", 0)))
         self.in_flight.clear()
         self.tally.not_started = list(self.queue)
+        self.progress.update(self._done, force=True)
+        if self.plot is not None:
+            self.plot.draw(force=True)
 
     def redo(self, indices: list[int]) -> None:
         """Chunks whose commits verify dropped as corrupt: extracted again, all at once."""

@@ -24,9 +24,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.chunk_loop import ChunkLoop, ChunkTally, summarize
 from flows.reporting import (
     Progress,
+    ThroughputPlot,
     chunk_rows,
     chunk_table,
     current_attempt,
+    hold_further_sigterms,
     run_is_cancelling,
     run_summary,
     run_tags,
@@ -77,6 +79,7 @@ def extract_flow(settings: HsxSettings) -> dict[str, Any] | State:
         # A Cancel or a worker's stop before or after the chunks (preflight, planning, verify).
         if resolved is None or stage.recorded:
             raise
+        hold_further_sigterms()
         cancelled = run_is_cancelling()
         reason = "cancelled from Prefect" if cancelled else "SIGTERM received"
         request_stop(reason)
@@ -161,12 +164,14 @@ def _extract_planned(
     # and commit (hsx.extraction.host_pipeline.chunks_in_flight): the engine never waits.
     concurrency = run.concurrency(int(plan["tokens"]), int(plan["chunks"]))
     get_run_logger().info("%d work chunks in flight at once", concurrency)
-    loop = ChunkLoop(run, chunk_task, pending, concurrency, progress)
+    plot = ThroughputPlot(f"{settings.store}: attempt {attempt.attempt}")
+    loop = ChunkLoop(run, chunk_task, pending, concurrency, progress, plot)
     try:
         loop.run_all()
     except TerminationSignal:
         # Prefect's SIGTERM bridge (the UI's or API's Cancel, a worker's stop) raised here: the
         # chunks in flight must abandon too, and the store must say the run was stopped.
+        hold_further_sigterms()
         cancelled = run_is_cancelling()
         request_stop("cancelled from Prefect" if cancelled else "SIGTERM received")
         # (timeouts.stop_wait_s; the CLI's watchdog exits at 10 s in any case)

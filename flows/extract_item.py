@@ -18,7 +18,14 @@ from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.chunk_loop import ChunkLoop, ChunkTally
-from flows.reporting import Progress, run_is_cancelling, settings_from_parameters, tag_run
+from flows.reporting import (
+    Progress,
+    ThroughputPlot,
+    hold_further_sigterms,
+    run_is_cancelling,
+    settings_from_parameters,
+    tag_run,
+)
 from hsx.extraction.host_pipeline import MAX_CHUNKS_IN_FLIGHT
 from hsx.extraction.run import ExtractionRun
 from hsx.extraction.steps import resolve_settings
@@ -68,11 +75,13 @@ def extract_item_flow(
             list(chunks),
             run.concurrency(tokens, len(chunks)),
             Progress(len(chunks), f"{item}: {len(chunks)} work chunks"),
+            ThroughputPlot(f"{resolved.store}: {item}"),
         )
         watch.start()
         try:
             loop.run_all()
         except TerminationSignal:
+            hold_further_sigterms()
             request_stop("cancelled from Prefect" if run_is_cancelling() else "SIGTERM received")
             loop.abandon_in_flight(resolved.timeouts.stop_wait_s)
         finally:

@@ -25,6 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.reporting import (
     current_attempt,
+    hold_further_sigterms,
     run_is_cancelling,
     run_summary,
     settings_from_parameters,
@@ -61,6 +62,7 @@ def regenerate_flow(settings: RegenerateSettings) -> dict[str, Any] | State:
     try:
         return _regenerate(resolved, attempt)
     except TerminationSignal:  # a Cancel or a worker's stop outside the chunk phase
+        hold_further_sigterms()
         request_stop("cancelled from Prefect" if run_is_cancelling() else "SIGTERM received")
         run_summary(attempt, resolved, _stop_status(), {"reason": stop_reason()})
         return Cancelled(message=f"stopped ({stop_reason()}); a re-run finishes it")
@@ -89,6 +91,7 @@ def _regenerate(settings: RegenerateSettings, attempt: RunAttempt) -> dict[str, 
         except TerminationSignal:
             # Prefect's SIGTERM bridge (the UI's Cancel, a worker's stop) raised here: the
             # chunks in flight abandon at their next turn, before their commit.
+            hold_further_sigterms()
             request_stop("cancelled from Prefect" if run_is_cancelling() else "SIGTERM received")
             loop.abandon_in_flight()
         chunk_phase_s = time.perf_counter() - chunks_started

@@ -3,7 +3,11 @@ over its deployment's, tags, a progress bar, a chunk table and its run record.""
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
+from types import FrameType
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -17,6 +21,7 @@ from prefect.runtime import deployment, flow_run
 from pydantic import BaseModel
 
 from hsx.store.run_records import RunAttempt
+from hsx.store.throughput import Commit, throughput_series, throughput_svg
 from settings import HsxSettings, merge_partial
 from settings.regenerate import RegenerateSettings
 
@@ -109,6 +114,64 @@ class Progress:
             update_progress_artifact(self._id, round(100.0 * done / self.total, 1))
         except Exception as exc:
             get_run_logger().warning("progress artifact not updated: %r", exc)
+
+
+class ThroughputPlot:
+    """The run's tokens/s over time as a plot on its page: a "rich" artifact (an SVG, which
+    Prefect's UI shows in a sandboxed frame in the run's Artifacts), drawn as chunks commit (at
+    most every ``period_s``) and at the attempt's end; hsx.store.throughput draws it, as for
+    ``hsx info --plot``."""
+
+    KEY = "hsx-extract-throughput"
+
+    def __init__(self, title: str, period_s: float = 30.0) -> None:
+        self.title = title
+        self.period_s = period_s
+        self.started = time.time()
+        self.commits: list[Commit] = []
+        self._drawn = 0.0
+        self._id: UUID | None = None
+        self._failed = False
+
+    def add(self, tokens: int) -> None:
+        """A chunk committed now with ``tokens`` tokens."""
+        self.commits.append(Commit(time.time(), tokens))
+        self.draw()
+
+    def draw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._failed or not self.commits or (not force and now - self._drawn < self.period_s):
+            return
+        self._drawn = now
+        series = throughput_series(self.commits, start=self.started)
+        data = {"html": throughput_svg(series, self.title), "sandbox": []}
+        description = (
+            f"{sum(c.tokens for c in self.commits):,} tokens in {len(self.commits)} chunks"
+        )
+        try:
+            from prefect.client.orchestration import get_client
+            from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+
+            with get_client(sync_client=True) as client:
+                if self._id is None:
+                    run_id = flow_run.get_id()
+                    made = client.create_artifact(
+                        ArtifactCreate(
+                            key=self.KEY,
+                            type="rich",
+                            data=data,
+                            description=description,
+                            flow_run_id=UUID(str(run_id)) if run_id else None,
+                        )
+                    )
+                    self._id = made.id
+                else:
+                    client.update_artifact(
+                        self._id, ArtifactUpdate(data=data, description=description)
+                    )
+        except Exception as exc:  # the plot is not worth a failed run
+            self._failed = True
+            get_run_logger().warning("throughput plot not drawn: %r", exc)
 
 
 def run_summary(
@@ -211,3 +274,17 @@ def run_is_cancelling() -> bool:
     except Exception as exc:  # the API unreachable: a stop all the same
         get_run_logger().warning("could not read this run's state: %r", exc)
         return False
+
+
+def hold_further_sigterms() -> None:
+    """After the SIGTERM that stops this run, later ones are written to stderr instead of
+    raised (a worker forwards its stop to its runs while systemd's default KillMode sends one
+    to every process): the stop records what it did and ends Cancelled within seconds, and the
+    worker kills the process if it does not within its grace (flows/worker_launch.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def held(signum: int, frame: FrameType | None) -> None:
+        sys.stderr.write("hsx: SIGTERM again: already stopping (recording what is committed)\n")
+
+    signal.signal(signal.SIGTERM, held)

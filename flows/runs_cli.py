@@ -105,13 +105,15 @@ def runs(
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
+    flows = FlowFilter(name=FlowFilterName(any_=list(FLOWS)))
     with _client() as client:
         found = read_pages(
             client.read_flow_runs,
             limit or None,
-            flow_filter=FlowFilter(name=FlowFilterName(any_=list(FLOWS))),
+            flow_filter=flows,
             sort=FlowRunSort.START_TIME_DESC,
         )
+        total = int(client.count_flow_runs(flow_filter=flows))
         summaries = _summaries(client, [run.id for run in found])
     listed = []
     for run in found:
@@ -165,6 +167,14 @@ def runs(
             str(row["audit"]),
         )
     console.print(table)
+    console.print(shown_of(len(listed), total))
+
+
+def shown_of(shown: int, total: int) -> str:
+    """The line under ``hsx runs``' table: how many of how many runs it lists."""
+    if shown >= total:
+        return f"{total} run{'s' if total != 1 else ''}"
+    return f"the newest {shown} of {total} runs (--limit N for more, --limit 0 for all)"
 
 
 @runs_app.command("show")

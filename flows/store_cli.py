@@ -134,6 +134,14 @@ def verify(
 def info(
     store_url: Annotated[str, typer.Argument(help="Store URL.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Write the store's throughput over time (tokens/s, from its commit records) as "
+            "an SVG file: the plot a flow run's page shows.",
+        ),
+    ] = None,
 ) -> None:
     """Provenance, commit records and runs of a store: which run wrote which chunk, how."""
     from dataclasses import asdict
@@ -156,6 +164,13 @@ def info(
         fail(str(exc))
         return
     meta = store.meta
+    if plot is not None:
+        from hsx.store.throughput import commits_of, throughput_series, throughput_svg
+
+        series = throughput_series(commits_of(commits.values()))
+        plot.write_text(throughput_svg(series, f"{store_url}: {len(commits)} chunks committed"))
+        if not as_json:
+            console.print(f"throughput plot: {plot}", highlight=False)
     if as_json:
         meta.pop("work_chunks", None)
         print(

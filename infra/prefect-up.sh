@@ -4,7 +4,8 @@
 #      (SQLite in the Prefect home by default; --postgres: Debian's PostgreSQL via start-postgres.sh);
 #   2. the process work pools hsx-gpu (GPU nodes) and hsx-cpu (parents over many nodes);
 #   3. the deployments of infra/prefect.yaml (extract, preflight, verify with a nightly schedule);
-#   4. the tiny bundled models, so the deployments' defaults run as they are.
+#   4. the tiny bundled models, so the deployments' defaults run as they are;
+#   5. a check that the scheduler creates runs and logs no error (other ERROR lines: reported).
 # Then start a worker on each GPU node: PREFECT_API_URL=... infra/start-worker.sh
 #
 #   infra/prefect-up.sh [--port 4200] [--postgres [--pg-port 5433]] [--host 127.0.0.1]
@@ -46,7 +47,13 @@ if curl -sf "http://$host:$port/api/health" >/dev/null 2>&1; then
   echo "prefect-up: a server already answers on $host:$port" >&2; exit 1
 fi
 log="$home/server-$port.log"
-setsid "$root/.venv/bin/prefect" server start --host "$host" --port "$port" >"$log" 2>&1 < /dev/null &
+# hsx's modules (flows/server_launch.py, flows/stack_check.py) from this checkout, wherever
+# this script is started from.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# Prefect's server, its SQLite transactions begun IMMEDIATE (flows/server_launch.py: without it
+# the worker's polls log "database is locked" tracebacks all day).
+setsid "$root/.venv/bin/python" -m flows.server_launch server start --host "$host" --port "$port" \
+  >"$log" 2>&1 < /dev/null &
 echo $! > "$home/server-$port.pid"
 for _ in $(seq 1 120); do
   curl -sf "http://$host:$port/api/health" >/dev/null 2>&1 && break
@@ -74,6 +81,10 @@ fi
 "$root/.venv/bin/hsx" make-tiny-models "$root/models" >/dev/null
 (cd "$root" && HSX_REPO="$root" "$prefect" --no-prompt deploy --prefect-file infra/prefect.yaml --all >"$home/deploy.log" 2>&1) \
   || { echo "prefect-up: deploy failed ($home/deploy.log):" >&2; tail -30 "$home/deploy.log" >&2; exit 1; }
+# The scheduler creates runs (a probe deployment's, then removed) and logs no error: Prefect
+# 3.7.7's scheduler failed every minute on SQLAlchemy 2.1 while all else worked.
+"$root/.venv/bin/python" -m flows.stack_check --server-log "$log" \
+  || { echo "prefect-up: the server is up but does not run cleanly (above; its log: $log)" >&2; exit 1; }
 cat <<DONE
 Prefect server: http://$host:$port  (database: $db; state in $home)
   export PREFECT_API_URL=http://$host:$port/api

@@ -22,11 +22,12 @@ fi
 # Supervised, as systemd's Restart=always would: a worker that exits is started again (and says
 # so in its log; the Prefect-stack tests fail on that line). flows/worker_launch.py runs Prefect's
 # worker with a fix for Prefect 3.7's exit on a Retry pressed while the last attempt's process
-# is still exiting, and with SIGINT's default handler restored: a job started with & by a
-# non-interactive shell ignores SIGINT, and the worker turns SIGTERM into a SIGINT to itself, so
-# one SIGTERM (systemctl stop, docker stop, prefect-down) stops it.
+# is still exiting, and its own stop: one SIGTERM (systemctl stop, docker stop, prefect-down) or
+# Ctrl-C takes no new run, sends each running flow run SIGTERM and waits up to
+# HSX_WORKER_STOP_GRACE_S (60 s) for them to end Cancelled with their records, then stops.
 child=""
-trap 'if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi; exit 0' TERM INT
+# (`|| true`: under set -e a worker that ended by a signal would end the trap before its exit 0)
+trap 'if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; wait "$child" || true; fi; exit 0' TERM INT
 cd "$root"
 while true; do
   "$root/.venv/bin/python" -m flows.worker_launch worker start --pool "$pool" \

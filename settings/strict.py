@@ -61,12 +61,14 @@ def _aliases(model: type[BaseModel]) -> list[str]:
 NOT_SETTINGS = frozenset(
     {
         "HSX_VLLM",
+        "HSX_SKIP_BOOTSTRAP",  # a provided .venv, used as it is (scripts/bootstrap.sh)
         "HSX_ALLOCATOR",
         "HSX_REEXECUTED",
         "HSX_REPO",  # the checkout a worker runs flows from (infra/start-worker.sh)
         "HSX_PREFECT_HOME",  # infra/prefect-up.sh's state folder
         "HSX_WORKER_LIMIT",  # flow runs at once per worker (infra/start-worker.sh)
         "HSX_WORKER_POOL",  # the pool a worker serves (infra/start-worker.sh)
+        "HSX_WORKER_STOP_GRACE_S",  # a stopping worker's wait for its runs (flows/worker_launch.py)
         "HSX_ZOMBIE_WINDOW_S",  # silence before a run is marked Crashed (infra/prefect-up.sh)
     }
 )

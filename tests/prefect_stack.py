@@ -42,6 +42,32 @@ class Stack:
         self.api = f"http://127.0.0.1:{port}/api"
         self.http = httpx.Client(base_url=self.api, timeout=30)
 
+    @property
+    def server_log(self) -> Path:
+        """infra/prefect-up.sh's log of the server (its last start)."""
+        (log,) = self.home.glob(f"server-{self.port}.log")
+        return log
+
+    def server_errors(self) -> list[str]:
+        """The ERROR (and CRITICAL) records of the server's log, each with its traceback."""
+        from flows.stack_check import server_log_errors
+
+        return server_log_errors(self.server_log.read_text(errors="replace"))
+
+    def start_worker(self, extra: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        """One more infra/start-worker.sh (its own session, output to ``log``), stopped with the
+        stack."""
+        with log.open("ab") as output:
+            worker = subprocess.Popen(
+                ["bash", str(REPO_ROOT / "infra" / "start-worker.sh")],
+                env={**self.env, **extra},
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.workers.append(worker)
+        return worker
+
     def answers(self) -> bool:
         try:
             return httpx.get(f"{self.api}/health", timeout=2).status_code == 200
@@ -175,23 +201,15 @@ def running_stack(database: str, workers: Sequence[dict[str, str]] = ({},)) -> I
         env=env,
         timeout=600,
     )
-    started: list[subprocess.Popen[bytes]] = []
+    stack = Stack(home, port, env, [], options)
+    started = stack.workers  # with those a test starts (Stack.start_worker): all stopped below
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         assert f"http://127.0.0.1:{port}" in up.stdout
         logs = [home / ("worker.log" if n == 0 else f"worker-{n}.log") for n in range(len(workers))]
         for extra, log in zip(workers, logs, strict=True):
-            with log.open("wb") as output:
-                started.append(
-                    subprocess.Popen(
-                        ["bash", str(REPO_ROOT / "infra" / "start-worker.sh")],
-                        env={**env, **extra},
-                        stdout=output,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        yield Stack(home, port, env, started, options)
+            stack.start_worker(extra, log)
+        yield stack
         # infra/start-worker.sh restarts a worker that exits, as systemd would; a restart during
         # a test is a worker crash that the test's own checks would not see.
         restarts = [line for log in logs for line in worker_restarts(log, context=30)]

@@ -29,6 +29,7 @@ from hsx.plan.chunks import (
     auto_rows_per_chunk,
     auto_work_chunk_tokens,
     cut_chunks,
+    storage_rows_for_work_chunks,
     token_object_rows,
 )
 from hsx.plan.token_spool import TokenSpool
@@ -212,9 +213,20 @@ def _build_plan(
         * int(text_config(config)["hidden_size"])
         * (4 if stored_dtype == "float32" else 2)
     )
-    rows_per_chunk = layout.rows_per_chunk or auto_rows_per_chunk(
-        row_bytes, int(layout.target_object_mib * 2**20)
-    )
+    rows_per_chunk = layout.rows_per_chunk
+    if rows_per_chunk is None:
+        automatic = auto_rows_per_chunk(row_bytes, int(layout.target_object_mib * 2**20))
+        rows_per_chunk = storage_rows_for_work_chunks(automatic, layout.work_chunk_tokens)
+        if rows_per_chunk != automatic:
+            logger.warning(
+                "layout.work_chunk_tokens %d is below the automatic layout.rows_per_chunk %d "
+                "(%.1f MiB objects): storage chunks of %d rows instead, since every work chunk "
+                "is padded to whole storage chunks (set layout.rows_per_chunk to choose)",
+                layout.work_chunk_tokens,
+                automatic,
+                automatic * row_bytes / 2**20,
+                rows_per_chunk,
+            )
     chunk_tokens = layout.work_chunk_tokens or auto_work_chunk_tokens(
         total, rows_per_chunk, layout.target_work_chunks, layout.min_work_chunk_tokens
     )

@@ -162,19 +162,23 @@ def test_a_bad_dataset_line_is_refused_by_its_line(
     assert_nothing_written(store)
 
 
+# What hsx says of a dataset path that is no file (PATH: the path given); docs/BAD_INPUTS.md
+# quotes these (tests/unit/test_bad_inputs_doc.py checks it).
+NO_FILE_CASES = {
+    "missing": "PATH: expected a dataset file or folder, found nothing there",
+    "directory": "PATH: expected a save_to_disk folder (dataset_info.json, state.json or "
+    "dataset_dict.json) or files ending in",
+}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["missing", "directory"])
+@pytest.mark.parametrize("kind", list(NO_FILE_CASES))
 def test_a_dataset_path_that_is_no_file(kind: str, tiny_llama: Path, tmp_path: Path) -> None:
     path = tmp_path / "data.jsonl"
     if kind == "directory":
         path.mkdir()
     store = tmp_path / "store"
-    expected = (
-        f"{path}: expected a dataset file or folder, found nothing there"
-        if kind == "missing"
-        else f"{path}: expected a save_to_disk folder (dataset_info.json, state.json or "
-        "dataset_dict.json) or files ending in"
-    )
+    expected = NO_FILE_CASES[kind].replace("PATH", str(path), 1)
     assert_refused(extract(tiny_llama, path, store), re.escape(expected))
     assert_nothing_written(store)
 

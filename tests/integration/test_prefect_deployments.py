@@ -705,7 +705,6 @@ def test_a_schedule_creates_runs_and_a_worker_completes_one(stack: Stack) -> Non
     assert left and all(r["state_type"] == "COMPLETED" for r in left), [r["state"] for r in left]
 
 
-@ON_POSTGRES
 def test_a_workers_sigterm_ends_its_run_cancelled_with_its_record(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -800,11 +799,10 @@ def test_a_killed_flow_run_leaves_no_task_running(stack: Stack) -> None:
     assert closed and "process ended while it ran" in closed[0]["state"]["message"]
 
 
-@ON_SQLITE
 def test_the_servers_log_holds_no_error(stack: Stack) -> None:
-    """Over every SQLite test of the module (the last of them: schedules, failed and retried
-    chunks, a Cancel, a killed run): no ERROR in the server's log (SQLite's "database is locked"
-    tracebacks, a failing scheduler)."""
+    """Over every test of the module on its database (the last of them: schedules, failed and
+    retried chunks, Cancels, a worker's stop, a killed run): no ERROR in the server's log
+    (SQLite's "database is locked" tracebacks, a failing scheduler)."""
     errors = stack.server_errors()
     assert not errors, f"{len(errors)} ERROR records in {stack.server_log}:\n" + "\n".join(
         errors[:5]

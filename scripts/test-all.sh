@@ -8,7 +8,7 @@
 #   HSX_CI_BUDGET_S   the budget the warning watches (default 2700: 45 minutes; CI allows 90)
 #   HSX_PYTEST_ARGS   extra pytest arguments for the 3.11 suite (e.g. "-x")
 #   HSX_TEST_WORKERS  test worker processes for the 3.11 suite (pytest-xdist, whole modules per
-#                     worker); 1 runs it in this process
+#                     worker; default 2, measured in bench/ci-times.md); 1 runs it in this process
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -65,10 +65,12 @@ trap summary EXIT
 run_stage bootstrap bash scripts/bootstrap.sh
 run_stage lint bash -c '.venv/bin/ruff check hsx settings tasks flows tests bench scripts && .venv/bin/ruff format --check hsx settings tasks flows tests bench scripts'
 run_stage types .venv/bin/mypy
-workers=${HSX_TEST_WORKERS:-1}
+workers=${HSX_TEST_WORKERS:-2}
 parallel=()
-if (( workers > 1 )); then parallel=(-n "$workers" --dist loadfile); fi
+if (( workers > 1 )); then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)  # tests/conftest.py: the order; fi
 # shellcheck disable=SC2086  # HSX_PYTEST_ARGS is a list of words
+# Its own temporary folder: pytest's default (/tmp/pytest-of-USER/pytest-N) keeps the newest three
+# runs and removes older ones, a running suite's included when other pytest runs start beside it.
 run_stage pytest .venv/bin/python -m pytest -m "not gpu" -p no:cacheprovider -q -rs \
-  "${parallel[@]}" --junitxml="$report/junit.xml" ${HSX_PYTEST_ARGS:-}
+  "${parallel[@]}" --basetemp="$report/tmp" --junitxml="$report/junit.xml" ${HSX_PYTEST_ARGS:-}
 run_stage py3.12 bash scripts/unit-tests-on.sh 3.12

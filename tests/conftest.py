@@ -40,13 +40,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The longest modules, longest first (bench/ci-times.md has their times): with test workers
-# (pytest-xdist, whole modules per worker) they start first, so that no worker is left with a
+# (pytest-xdist --dist loadfile --no-loadscope-reorder: whole modules, in this order, each to the
+# first worker with at most two tests left) they start first, so that no worker is left with a
 # long module at the end while the other idles. Serially the order changes nothing.
 LONGEST_MODULES = (
-    "test_many_nodes.py",
     "test_prefect_deployments.py",
+    "test_many_nodes.py",
     "test_regenerate.py",
     "test_serve.py",
+    "test_bad_inputs.py",
+    "test_families.py",
+    "test_trainer_exports.py",
+    "test_interrupt.py",
+    "test_portability.py",
+    "test_storage_faults.py",
+    "test_capture_matches_hf.py",
+    "test_audit.py",
+    "test_kill_resume.py",
+    "test_own_server.py",
+    "test_serve_hostile.py",
+    "test_preflight.py",
+    "test_flow.py",
 )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from hsx.errors import ConfigError
 from hsx.model.config import text_config
+from hsx.model.families import logit_softcap
 from hsx.trainers.final_norm import FinalNorm, load_final_norm, weight_files
 
 # "lm_head.weight", nested under a multimodal wrapper ("language_model.lm_head.weight"); never a
@@ -110,10 +111,17 @@ def choose_device(requested: str, head_bytes: int) -> torch.device:
 class OutputHead:
     """The final norm and LM head of one model, on one device."""
 
-    def __init__(self, norm: FinalNorm, weight: torch.Tensor, source: HeadSource) -> None:
+    def __init__(
+        self,
+        norm: FinalNorm,
+        weight: torch.Tensor,
+        source: HeadSource,
+        softcap: float | None = None,
+    ) -> None:
         self.norm = norm  # its weight on the head's device
         self.weight = weight  # [V, H]: float32 on the CPU, else as stored or float32
         self.source = source
+        self.softcap = softcap  # logits -> softcap * tanh(logits / softcap) (Gemma), or None
         self.device = weight.device
         self.compute_dtype = torch.float32 if self.device.type == "cpu" else weight.dtype
         self.vocab_size = int(weight.shape[0])
@@ -150,7 +158,7 @@ class OutputHead:
         norm = replace(norm, weight=norm.weight.to(target))
         compute = "float32" if target.type == "cpu" else str(weight.dtype).removeprefix("torch.")
         source = HeadSource(f"{file}:{name}", tied, norm.source, vocab, str(target), compute)
-        return cls(norm, weight, source)
+        return cls(norm, weight, source, logit_softcap(config))
 
     @property
     def compute_eps(self) -> float:
@@ -198,6 +206,8 @@ class OutputHead:
         found = torch.full(targets.shape, math.nan, device=self.device)  # [m, S]
         for first in range(0, self.vocab_size, self.block_rows):
             logits = (h @ self._block(first).T).float()  # [m, b]
+            if self.softcap is not None:  # what the target samples from; the order is kept
+                logits = self.softcap * torch.tanh(logits / self.softcap)
             width = logits.shape[1]
             new_best = torch.maximum(best, logits.amax(dim=1))
             total = total * torch.exp(best - new_best) + torch.exp(logits - new_best[:, None]).sum(

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hsx.errors import ConfigError
 from hsx.model.config import text_config
 
 ParityStatus = Literal["established", "refused", "not established"]
@@ -241,6 +242,19 @@ def family_of(config: Mapping[str, Any]) -> Family | None:
         if types & set(family.model_types):
             return family
     return None
+
+
+def logit_softcap(config: Mapping[str, Any]) -> float | None:
+    """The cap of the LM head's logits (``cap * tanh(logits / cap)``, Gemma's
+    ``final_logit_softcapping``) where the model's config sets one; None where it does not."""
+    family = family_of(config)
+    key = family.logit_softcapping if family and family.logit_softcapping else None
+    value = text_config(config).get(key or "final_logit_softcapping")
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"config.json: expected a positive logit soft-cap, found {value!r}")
+    return float(value)
 
 
 def parity_note(config: Mapping[str, Any], probe_ran: bool, on_gpu: bool) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from hsx.audit.head import HeadSource, OutputHead, choose_device, find_head
 from hsx.engine.homes import engine_queue_limit
 from hsx.errors import ConfigError
 from hsx.extraction.host_pipeline import HostPipeline
+from hsx.model.families import logit_softcap
 from hsx.trainers.final_norm import FinalNorm
 from settings import PipelineSettings
 from tests.audit_models import model_config, write_model, write_store
@@ -50,6 +51,28 @@ def test_the_head_in_vocabulary_blocks_gives_the_full_matmul() -> None:
     top, data = scores.top[:, 0], scores.top[:, 1]
     tight, loose = (head.tie_tolerance(states, top, data, eps) for eps in (2.0**-16, 2.0**-4))
     assert bool((tight > 0).all()) and bool((loose > 100 * tight).all())
+
+
+def test_a_soft_capped_head_scores_the_capped_logits() -> None:
+    """Gemma's final_logit_softcapping: the target samples from cap * tanh(logits / cap), so the
+    data's log-probabilities are those of the capped logits (the top-k order is the same)."""
+    head = _head()
+    states = torch.randn(6, 16, generator=torch.Generator().manual_seed(3)) * 30  # [n, H]
+    targets = torch.tensor([[3, 7, 49]] * 6)  # [n, 3]
+    raw = head.norm(states) @ head.weight.T  # [n, V]
+    head.softcap = 5.0
+    capped = 5.0 * torch.tanh(raw / 5.0)
+    scores = head.score(states, targets)
+    assert torch.equal(scores.top, raw.topk(5, dim=1).indices)
+    assert torch.allclose(scores.log_norm, torch.logsumexp(capped, dim=1), atol=1e-5)
+    assert torch.allclose(scores.target_logit, capped.gather(1, targets), atol=1e-6)
+    assert not torch.allclose(scores.log_norm, torch.logsumexp(raw, dim=1), atol=1e-2)
+    config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    assert logit_softcap({**config, "final_logit_softcapping": 30.0}) == 30.0
+    assert logit_softcap({**config, "final_logit_softcapping": None}) is None
+    assert logit_softcap({"architectures": ["LlamaForCausalLM"]}) is None
+    with pytest.raises(ConfigError, match="expected a positive logit soft-cap, found -1"):
+        logit_softcap({**config, "final_logit_softcapping": -1})
 
 
 def test_a_state_after_the_norm_has_rms_one_over_the_weight() -> None:

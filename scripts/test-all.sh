@@ -44,6 +44,7 @@ summary() {
     printf '  %-10s %6d s  %s\n' "$name" "$seconds" "$([[ $code == 0 ]] && echo ok || echo "FAILED ($code)")"
     row+=" $seconds |"
   done
+  [[ -z $failed && $rc -ne 0 ]] && failed="the script itself (exit $rc)"
   printf '  %-10s %6d s  (%s)\n' total "$total" "$([[ -z $failed ]] && echo green || echo "failed in $failed")"
   if [[ -f "$report/junit.xml" ]]; then
     echo "slowest 25 tests (setup + call + teardown):"
@@ -67,10 +68,11 @@ run_stage lint bash -c '.venv/bin/ruff check hsx settings tasks flows tests benc
 run_stage types .venv/bin/mypy
 workers=${HSX_TEST_WORKERS:-2}
 parallel=()
-if (( workers > 1 )); then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)  # tests/conftest.py: the order; fi
-# shellcheck disable=SC2086  # HSX_PYTEST_ARGS is a list of words
+# Whole modules per worker, in the order tests/conftest.py gives (longest first).
+if (( workers > 1 )); then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 # Its own temporary folder: pytest's default (/tmp/pytest-of-USER/pytest-N) keeps the newest three
 # runs and removes older ones, a running suite's included when other pytest runs start beside it.
+# shellcheck disable=SC2086  # HSX_PYTEST_ARGS is a list of words
 run_stage pytest .venv/bin/python -m pytest -m "not gpu" -p no:cacheprovider -q -rs \
   "${parallel[@]}" --basetemp="$report/tmp" --junitxml="$report/junit.xml" ${HSX_PYTEST_ARGS:-}
 run_stage py3.12 bash scripts/unit-tests-on.sh 3.12

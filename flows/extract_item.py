@@ -11,6 +11,7 @@ from uuid import UUID
 
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.context import SettingsContext
 from prefect.exceptions import TerminationSignal
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
@@ -146,6 +147,11 @@ class RunStateWatch:
         self._logger = get_run_logger()
         self._run_id = flow_run.get_id()
         self._done = threading.Event()
+        # The run's Prefect settings (the API it reports to) go with the thread: a thread starts
+        # with no context, and its client would start an ephemeral server where the API came
+        # from a context (temporary_settings), not the environment. Settings only: the run's
+        # own clients stay in its thread.
+        self._settings = SettingsContext.get()
         self._thread = threading.Thread(target=self._watch, name="hsx-state-watch", daemon=True)
 
     def start(self) -> None:
@@ -156,6 +162,13 @@ class RunStateWatch:
         self._done.set()
 
     def _watch(self) -> None:
+        if self._settings is None:
+            self._read_states()
+            return
+        with SettingsContext(profile=self._settings.profile, settings=self._settings.settings):
+            self._read_states()
+
+    def _read_states(self) -> None:
         run_id = UUID(str(self._run_id))
         logger = self._logger
         while not self._done.wait(self._period_s):

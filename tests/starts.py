@@ -35,7 +35,7 @@ def kind_of_process(argv: list[str]) -> str | None:
         return "vLLM server"
     if "uvicorn" in line and "prefect.server" in line:
         return "Prefect temporary server"
-    if "prefect" in line and "server start" in line:
+    if ("prefect" in line or "flows.server_launch" in line) and "server start" in line:
         return "Prefect server (stack)"
     if "worker start" in line:
         return "Prefect worker"

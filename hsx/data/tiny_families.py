@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hsx.data.tiny_models import seeded_init, train_tokenizer
+from hsx.data.tiny_models import TINY_BASE_CONFIG, seeded_init, train_tokenizer
 
 _SEED = 1234
 _VOCAB = 2048
@@ -25,19 +25,11 @@ _RECIPE_VERSION = 1
 _RECIPE_FILE = "hsx_tiny_recipe.json"
 _WINDOW = 32
 
-_BASE: dict[str, Any] = {
-    "vocab_size": _VOCAB,
-    "hidden_size": 256,
+_BASE: dict[str, Any] = {  # four layers, grouped-query attention
+    **TINY_BASE_CONFIG,
     "num_hidden_layers": 4,
-    "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
 }
 _MOE: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 128}
 

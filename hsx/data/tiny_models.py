@@ -39,7 +39,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_COMMON: dict[str, Any] = {
+# The fields every tiny model shares (hsx.data.tiny_families starts from them too).
+TINY_BASE_CONFIG: dict[str, Any] = {
     "vocab_size": _VOCAB_SIZE,
     "hidden_size": 256,
     "num_hidden_layers": 8,
@@ -52,7 +53,7 @@ _COMMON: dict[str, Any] = {
     "eos_token_id": 2,
 }
 LLAMA_CONFIG: dict[str, Any] = {
-    **_COMMON,
+    **TINY_BASE_CONFIG,
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "num_key_value_heads": 2,
@@ -62,7 +63,7 @@ LLAMA_CONFIG: dict[str, Any] = {
     "rope_theta": 10000.0,
 }
 DEEPSEEK_CONFIG: dict[str, Any] = {
-    **_COMMON,
+    **TINY_BASE_CONFIG,
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
     "num_key_value_heads": 4,

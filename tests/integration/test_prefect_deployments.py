@@ -261,6 +261,18 @@ def test_a_run_that_fails_before_its_store_exists_keeps_a_record_beside_it(
     assert info.returncode == 1 and "failed in plan" in info.stdout, info.stdout + info.stderr
 
 
+def _start_a_long_extraction(stack: Stack, store: str) -> str:
+    """An extraction of ~60 chunks one at a time (tens of seconds, while a Cancel or a stop
+    takes a few; storage chunks sized to the 512-token work chunks, logged): its flow run id."""
+    settings = {
+        "store": store,
+        "run": {"preflight": False},
+        "layout": {"work_chunk_tokens": 512},
+        "pipeline": {"chunks_in_flight": 1},
+    }
+    return stack.run("hsx-extract", "extract", {"settings": settings})
+
+
 @ON_SQLITE
 def test_a_ui_cancel_ends_cancelled_with_an_honest_record(stack: Stack, tmp_path: Path) -> None:
     """The UI's Cancel of a worker-run extraction (Cancelling, then the runner's SIGTERM): the run
@@ -269,13 +281,7 @@ def test_a_ui_cancel_ends_cancelled_with_an_honest_record(stack: Stack, tmp_path
     from hsx.store.verify import verify_store
 
     store = str(tmp_path / "cancelled.zarr")
-    settings = {  # ~60 chunks one at a time: tens of seconds, while a Cancel takes a few
-        "store": store,
-        "run": {"preflight": False},
-        "layout": {"work_chunk_tokens": 512},
-        "pipeline": {"chunks_in_flight": 1},
-    }
-    run_id = stack.run("hsx-extract", "extract", {"settings": settings})
+    run_id = _start_a_long_extraction(stack, store)
     commits = Path(store) / "commits"
     deadline = time.monotonic() + 300
     while not (commits.is_dir() and any(commits.glob("chunk-*.json"))):
@@ -717,13 +723,7 @@ def test_a_workers_sigterm_ends_its_run_cancelled_with_its_record(
     abandoned and never started and why, no task is left Running, `hsx runs` shows it, and
     the worker is gone within the unit file's stop timeout."""
     store = str(tmp_path / "stopped.zarr")
-    settings = {  # ~60 chunks one at a time; storage chunks sized to them (logged)
-        "store": store,
-        "run": {"preflight": False},
-        "layout": {"work_chunk_tokens": 512},
-        "pipeline": {"chunks_in_flight": 1},
-    }
-    run_id = stack.run("hsx-extract", "extract", {"settings": settings})
+    run_id = _start_a_long_extraction(stack, store)
     commits = Path(store) / "commits"
     _wait_for(  # mid-run: a chunk in flight, most not started
         "three commits",
